@@ -1,0 +1,45 @@
+"""numattn: production attention kernels for NumPy.
+
+Flash attention over KV caches (dense, continuous-batching or paged), decode attention
+with split-K, and cross attention over ragged batches, with GQA, mask objects, additive
+masks and attention sinks.  CPU-first (Numba ``parallel=True``) with optional CUDA through
+``numba.cuda``; each operation's math is written once and shared by both backends.
+
+Importing numattn compiles nothing and does not import ``numba.cuda``.
+"""
+
+from . import reference
+from .config import MHAConfig
+from .kv_cache import ContinuousBatchingKVCache, PagedKVCache, store_kv
+from .masks import (
+    AndMask,
+    CausalMask,
+    ChunkedCausalMask,
+    ChunkedMask,
+    Mask,
+    MaterializedMask,
+    NullMask,
+    OrMask,
+    SlidingWindowCausalMask,
+)
+from .merge import merge_states
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AndMask",
+    "CausalMask",
+    "ChunkedCausalMask",
+    "ChunkedMask",
+    "ContinuousBatchingKVCache",
+    "MHAConfig",
+    "Mask",
+    "MaterializedMask",
+    "NullMask",
+    "OrMask",
+    "PagedKVCache",
+    "SlidingWindowCausalMask",
+    "merge_states",
+    "reference",
+    "store_kv",
+]

@@ -1,0 +1,70 @@
+"""Lazy access to ``numba.cuda``: nothing here imports it until CUDA is actually used."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+class CudaUnavailableError(RuntimeError):
+    """Raised when CUDA is asked for on a machine (or environment) that has none."""
+
+
+def simulator_enabled() -> bool:
+    """True when ``NUMBA_ENABLE_CUDASIM=1``: kernels run in Numba's CUDA simulator."""
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+
+@functools.cache
+def get_cuda():
+    """Import and return ``numba.cuda``; raise :class:`CudaUnavailableError` if impossible."""
+    try:
+        from numba import cuda
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise CudaUnavailableError(
+            "CUDA support needs numba-cuda: pip install 'numattn[cuda]'"
+        ) from exc
+    return cuda
+
+
+def is_available() -> bool:
+    """True when CUDA kernels can run here: a usable GPU, or the CUDA simulator."""
+    try:
+        cuda = get_cuda()
+    except CudaUnavailableError:
+        return False
+    try:
+        return bool(cuda.is_available())
+    except Exception:  # pragma: no cover - driver problems surface as many types
+        return False
+
+
+def require_cuda():
+    """Return ``numba.cuda`` if kernels can run, else raise a clear error."""
+    cuda = get_cuda()
+    if not is_available():
+        raise CudaUnavailableError(
+            "device='cuda' was requested but no CUDA GPU is available here "
+            "(set NUMBA_ENABLE_CUDASIM=1 to run the CUDA kernels in the simulator)"
+        )
+    return cuda
+
+
+def is_device_array(x) -> bool:
+    """True for any object exposing ``__cuda_array_interface__`` (Numba, CuPy, PyTorch...)."""
+    return hasattr(x, "__cuda_array_interface__")
+
+
+def resolve_device(device, arrays) -> str:
+    """Turn ``device`` ("auto", "cpu", "cuda") into "cpu" or "cuda" given the inputs."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    on_device = any(is_device_array(a) for a in arrays if a is not None)
+    if device == "auto":
+        return "cuda" if on_device else "cpu"
+    if device == "cpu" and on_device:
+        raise TypeError(
+            "device='cpu' was requested but some inputs are CUDA device arrays; "
+            "copy them to the host (e.g. .copy_to_host()) or use device='cuda'"
+        )
+    return device

@@ -1,0 +1,103 @@
+"""Project-wide Numba options, and the binding of one plain-Python body to each target.
+
+Every piece of kernel math in numattn is written once as a plain Python function that
+uses only ``math``, scalars and arrays passed in, and is marked with :func:`body`.  Bodies
+call each other by their ordinary names.  :func:`cpu_jit` compiles a body for the CPU
+and :func:`cuda_device` / :func:`cuda_kernel` for CUDA; each rebinds the names of the
+bodies it calls to their compiled versions *for the same target*, so a CUDA kernel never
+calls an ``njit`` function (which the CUDA simulator could not run) and vice versa.
+CUDA kernels also get the name ``cuda`` bound to ``numba.cuda`` (the simulator's when
+``NUMBA_ENABLE_CUDASIM=1``); ``numba.cuda`` is imported only when a CUDA binding is first
+asked for, and ``numba`` itself only when a CPU kernel is first compiled.
+
+Environment
+-----------
+NUMATTN_CACHE
+    ``0`` switches off Numba's on-disk cache of compiled CPU kernels (on by default so that
+    first calls in a new process are short).  ``NUMBA_CACHE_DIR`` chooses where it lives.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+
+#: Kernels write ``for i in prange(n)``; it runs as ``range`` in plain Python and is bound
+#: to ``numba.prange`` when a body is compiled for the CPU (numba is imported lazily, so
+#: ``import numattn`` stays fast).
+prange = range
+
+#: Fast-math flags: contraction, reassociation and reciprocal approximations are allowed,
+#: but *not* ``nnan``/``ninf``: masking relies on ``-inf`` and NaN must propagate.
+FASTMATH = frozenset({"contract", "reassoc", "arcp", "nsz"})
+
+CACHE = os.environ.get("NUMATTN_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+#: Options every CPU kernel is compiled with.
+CPU_OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy", "cache": CACHE, "nogil": True}
+
+
+def body(func):
+    """Mark ``func`` as a shared kernel body (callable from CPU and CUDA kernels)."""
+    func._numattn_body = True
+    return func
+
+
+def _rebind(func, target):
+    """A copy of ``func`` whose globals name the ``target`` bindings of the bodies it calls."""
+    scope = dict(func.__globals__)
+    for name in func.__code__.co_names:
+        callee = scope.get(name)
+        if getattr(callee, "_numattn_body", False):
+            scope[name] = cpu_jit(callee) if target == "cpu" else cuda_device(callee)
+    if target == "cpu" and "prange" in func.__code__.co_names:
+        import numba
+
+        scope["prange"] = numba.prange
+    if target == "cuda":
+        from ._cuda import get_cuda
+
+        scope["cuda"] = get_cuda()
+    clone = types.FunctionType(
+        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
+    )
+    clone.__qualname__ = func.__qualname__
+    clone.__module__ = func.__module__
+    clone.__doc__ = func.__doc__
+    return clone
+
+
+@functools.cache
+def _cpu_jit(func, parallel):
+    import numba
+
+    return numba.njit(parallel=parallel, **CPU_OPTS)(_rebind(func, "cpu"))
+
+
+def cpu_jit(func=None, *, parallel=False):
+    """Compile ``func`` for the CPU with :data:`CPU_OPTS` (lazily, at its first call)."""
+    if func is None:
+        return functools.partial(cpu_jit, parallel=parallel)
+    return _cpu_jit(func, parallel)
+
+
+@functools.cache
+def cuda_device(func):
+    """The CUDA device-function binding of a body (imports ``numba.cuda`` lazily)."""
+    from ._cuda import get_cuda
+
+    return get_cuda().jit(device=True)(_rebind(func, "cuda"))
+
+
+@functools.cache
+def cuda_kernel(func):
+    """The CUDA kernel binding of a plain kernel function (lazy, compiled at first launch)."""
+    from ._cuda import get_cuda
+
+    return get_cuda().jit(_rebind(func, "cuda"))
+
+
+def cuda_source(func):
+    """The plain function as :func:`cuda_kernel` compiles it (for ``cuda.compile_ptx``)."""
+    return _rebind(func, "cuda")

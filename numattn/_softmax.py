@@ -1,0 +1,71 @@
+"""The online-softmax arithmetic, written once for every kernel and backend.
+
+Plain-Python bodies, compiled with :func:`numattn._jit.cpu_jit` for the CPU and
+:func:`numattn._jit.cuda_device` for CUDA.  One exponent base (e) everywhere.
+
+A partial softmax state over a set of keys is ``(m, l, acc)``: the largest visible score
+``m`` (``-inf`` when no key is visible), ``l = sum_j e^(s_j - m)`` and
+``acc = sum_j e^(s_j - m) v_j``.  States over disjoint key sets merge exactly by rescaling
+to the larger ``m``; the sink logit enters once, when a row is finished.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._jit import body
+
+
+@body
+def exp_diff(a, b):
+    """``e^(a - b)`` for ``a <= b``, exactly 0 when ``a`` is ``-inf`` (also if ``b`` is).
+
+    Keeps the type of its arguments (float32 stays float32).
+    """
+    if a == -math.inf:
+        return math.exp(a)
+    return math.exp(a - b)
+
+
+@body
+def online_update(m, l, s):
+    """Add one score ``s`` to the state ``(m, l)``.
+
+    Returns ``(m_new, l_new, alpha, p)``: the caller updates its accumulator as
+    ``acc = acc * alpha + p * v``.  A ``-inf`` score (a hidden key) changes nothing; a NaN
+    score propagates into ``l``.
+    """
+    m_new = max(m, s)
+    alpha = exp_diff(m, m_new)
+    p = exp_diff(s, m_new)
+    return m_new, l * alpha + p, alpha, p
+
+
+@body
+def finish_row(m, l, sink, has_sink):
+    """Close a row: ``out = acc * out_scale`` and its log-sum-exp.
+
+    With a sink logit ``sigma`` the denominator gains ``e^(sigma - M)`` with
+    ``M = max(m, sigma)``, exactly once.  A row with no visible key gives ``out_scale = 0``
+    and ``lse = -inf`` (``sigma`` with a sink), never NaN.
+
+    Returns
+    -------
+    out_scale, lse : float
+    """
+    if has_sink:
+        big = max(m, sink)
+        w = exp_diff(m, big)
+        denom = l * w + math.exp(sink - big)
+        return w / denom, big + math.log(denom)
+    if l > 0:
+        return 1.0 / l, m + math.log(l)
+    if l == 0:
+        return 0.0, -math.inf
+    return l, l  # NaN propagates
+
+
+@body
+def merge_weight(m_part, m_max):
+    """Weight ``e^(m_part - m_max)`` of a partial state in a merge (0 for an empty part)."""
+    return exp_diff(m_part, m_max)

@@ -1,0 +1,159 @@
+"""Argument checks shared by every public function.
+
+Each check raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong
+shape or value) with a message naming the argument, what was expected and what was
+given.  They run on the host before any kernel is launched, so nothing is ever written
+when an argument is rejected.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def shape_of(x):
+    return tuple(int(n) for n in x.shape)
+
+
+def dtype_of(x):
+    """NumPy dtype of a host or device array (anything with a NumPy-like ``dtype``)."""
+    try:
+        return np.dtype(x.dtype)
+    except TypeError as exc:
+        raise TypeError(f"cannot interpret dtype {x.dtype!r} as a NumPy dtype") from exc
+
+
+def check_array(name, x, *, ndim=None, dtype=None):
+    """Check that ``x`` is an array (host or device) of the given ndim (int or tuple)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if len(x.shape) not in allowed:
+            want = " or ".join(f"{n}-d" for n in allowed)
+            raise ValueError(f"{name} must be {want}, got shape {shape_of(x)}")
+    if dtype is not None and dtype_of(x) != np.dtype(dtype):
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {dtype_of(x)}")
+    return x
+
+
+def check_float_dtype(name, x):
+    dt = dtype_of(x)
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32 or float64, got {dt}")
+    return dt
+
+
+def check_shape(name, x, expected, what=""):
+    """``expected`` is a tuple whose ``None`` entries match anything."""
+    shape = shape_of(x)
+    ok = len(shape) == len(expected) and all(
+        e is None or s == e for s, e in zip(shape, expected)
+    )
+    if not ok:
+        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        suffix = f" ({what})" if what else ""
+        raise ValueError(f"{name} must have shape {want}{suffix}, got {list(shape)}")
+
+
+def host_int_array(name, x, *, ndim=1):
+    """A host int64 copy of an integer index array (host or device)."""
+    if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
+        from ._cuda import get_cuda
+
+        x = get_cuda().as_cuda_array(x).copy_to_host()
+    if not isinstance(x, np.ndarray):
+        if isinstance(x, (list, tuple)):
+            x = np.asarray(x)
+        else:
+            raise TypeError(f"{name} must be an integer array, got {type(x).__name__}")
+    if x.dtype.kind not in "iu":
+        if x.size == 0 and x.dtype.kind == "f":
+            x = x.astype(np.int64)
+        else:
+            raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-d, got shape {list(x.shape)}")
+    if x.dtype.kind == "u" and x.size and int(x.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} holds values too large for int64")
+    return np.ascontiguousarray(x, dtype=np.int64)
+
+
+def check_row_offsets(name, offsets, total, total_name, *, batch=None):
+    """Validate ragged row offsets: length B + 1, start 0, non-decreasing, end ``total``."""
+    offsets = host_int_array(name, offsets)
+    if offsets.shape[0] < 1:
+        raise ValueError(f"{name} must have length B + 1 >= 1, got length 0")
+    if batch is not None and offsets.shape[0] != batch + 1:
+        raise ValueError(
+            f"{name} must have length B + 1 = {batch + 1}, got length {offsets.shape[0]}"
+        )
+    if offsets[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
+    if np.any(np.diff(offsets) < 0):
+        bad = int(np.argmax(np.diff(offsets) < 0))
+        raise ValueError(
+            f"{name} must be non-decreasing, but {name}[{bad + 1}] = {offsets[bad + 1]} < "
+            f"{name}[{bad}] = {offsets[bad]}"
+        )
+    if offsets[-1] != total:
+        raise ValueError(
+            f"{name}[-1] must equal {total_name} = {total}, got {offsets[-1]}"
+        )
+    return offsets
+
+
+def check_scale(scale, head_dim):
+    """``None`` means ``1 / sqrt(D)``; otherwise a finite real number."""
+    if scale is None:
+        return 1.0 / float(np.sqrt(head_dim)) if head_dim > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_sink_weights(sink_weights, num_heads, dtype):
+    """``None`` or a ``[H]`` float array; returned as a contiguous host array of ``dtype``."""
+    if sink_weights is None:
+        return None
+    if hasattr(sink_weights, "__cuda_array_interface__") and not isinstance(
+        sink_weights, np.ndarray
+    ):
+        from ._cuda import get_cuda
+
+        sink_weights = get_cuda().as_cuda_array(sink_weights).copy_to_host()
+    check_array("sink_weights", sink_weights, ndim=1)
+    check_float_dtype("sink_weights", sink_weights)
+    check_shape("sink_weights", sink_weights, (num_heads,), "one logit per query head")
+    return np.ascontiguousarray(sink_weights, dtype=dtype)
+
+
+def check_heads(q_heads, kv_heads):
+    if kv_heads < 1 or q_heads % kv_heads != 0:
+        raise ValueError(
+            f"the number of query heads ({q_heads}) must be a multiple of the number of "
+            f"key/value heads ({kv_heads})"
+        )
+    return q_heads // kv_heads
+
+
+def check_out(out, shape, dtype, name="out"):
+    """``out=`` must be a C-contiguous array of exactly the result's shape and dtype."""
+    if out is None:
+        return None
+    check_array(name, out)
+    if shape_of(out) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(shape_of(out))}")
+    if dtype_of(out) != np.dtype(dtype):
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {dtype_of(out)}")
+    if isinstance(out, np.ndarray):
+        if not out.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+        if not out.flags.writeable:
+            raise ValueError(f"{name} must be writeable")
+    return out

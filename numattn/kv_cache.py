@@ -1,0 +1,385 @@
+"""KV caches, the single addressing scheme the kernels read them through, and ``store_kv``.
+
+Two cache types hold one layer's keys *or* values (k and v are two objects that share
+``cache_lengths`` and ``lookup_table``):
+
+* :class:`ContinuousBatchingKVCache`: ``blocks[num_blocks, max_seq_len, Hkv, D]``; token
+  ``t`` of sequence ``b`` lives at ``blocks[lookup_table[b], t]``.
+* :class:`PagedKVCache`: ``blocks[num_pages, page_size, Hkv, D]``; token ``t`` of sequence
+  ``b`` lives at ``blocks[lookup_table[b, t // page_size], t % page_size]``.
+
+Plain arrays are accepted too (dense ``[B, N, Hkv, D]`` or ragged ``[T, Hkv, D]``).  All four
+become one :class:`KVLayout`: a paged view ``blocks[pages, page_size, Hkv, D]`` with a lookup
+table and a per-sequence ``row_base``, so that every kernel locates token ``t`` of sequence
+``b`` with the same body, :func:`kv_page_slot`::
+
+    p = row_base[b] + t
+    page, slot = lookup_table[b, p // page_size], p % page_size
+
+Every table entry a needed token uses is checked against the array bounds on the host
+before a kernel runs; spare entries may hold any sentinel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import numpy as np
+
+from ._jit import body
+from ._validate import (
+    check_array,
+    check_float_dtype,
+    check_row_offsets,
+    dtype_of,
+    host_int_array,
+    shape_of,
+)
+
+__all__ = ["ContinuousBatchingKVCache", "KVLayout", "PagedKVCache", "store_kv"]
+
+
+@body
+def kv_page_slot(lookup_table, page_size, row_base, b, t):
+    """(page, slot) of token ``t`` of sequence ``b`` (kernel body for CPU and CUDA)."""
+    p = row_base[b] + t
+    return lookup_table[b, p // page_size], p % page_size
+
+
+class _CacheBase:
+    def __post_init__(self):
+        cls = type(self).__name__
+        check_array(f"{cls}.blocks", self.blocks, ndim=4)
+        check_float_dtype(f"{cls}.blocks", self.blocks)
+        lengths = host_int_array(f"{cls}.cache_lengths", self.cache_lengths)
+        if np.any(lengths < 0):
+            raise ValueError(f"{cls}.cache_lengths must be >= 0, got min {lengths.min()}")
+        table = host_int_array(f"{cls}.lookup_table", self.lookup_table, ndim=self._table_ndim)
+        if table.shape[0] != lengths.shape[0]:
+            raise ValueError(
+                f"{cls}.lookup_table has {table.shape[0]} rows but cache_lengths has "
+                f"{lengths.shape[0]} sequences"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        """Number of sequences (the length of ``cache_lengths``)."""
+        return int(self.cache_lengths.shape[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.blocks.shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.blocks.shape[3])
+
+    @property
+    def dtype(self):
+        return dtype_of(self.blocks)
+
+    def with_cache_lengths(self, cache_lengths):
+        """The same storage with new ``cache_lengths`` (e.g. after a step's tokens)."""
+        return replace(self, cache_lengths=cache_lengths)
+
+
+@dataclass(frozen=True, eq=False)
+class ContinuousBatchingKVCache(_CacheBase):
+    """One contiguous block of ``max_seq_len`` token slots per sequence.
+
+    Parameters
+    ----------
+    blocks : ndarray, shape [num_blocks, max_seq_len, Hkv, D]
+        Key (or value) storage, float32 or float64.
+    cache_lengths : int array, shape [B]
+        Tokens cached for each sequence *before* this step.
+    lookup_table : int array, shape [B]
+        The block of each sequence.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import ContinuousBatchingKVCache
+    >>> blocks = np.zeros((4, 16, 2, 8), dtype=np.float32)
+    >>> cache = ContinuousBatchingKVCache(blocks, np.array([3, 0]), np.array([2, 0]))
+    >>> cache.capacity, cache.batch_size
+    (16, 2)
+    """
+
+    blocks: np.ndarray
+    cache_lengths: np.ndarray
+    lookup_table: np.ndarray
+    _table_ndim = 1
+
+    @property
+    def capacity(self) -> int:
+        """Token slots per sequence (``max_seq_len``)."""
+        return int(self.blocks.shape[1])
+
+
+@dataclass(frozen=True, eq=False)
+class PagedKVCache(_CacheBase):
+    """Fixed-size pages shared by all sequences, found through a per-sequence page table.
+
+    Parameters
+    ----------
+    blocks : ndarray, shape [num_pages, page_size, Hkv, D]
+        Key (or value) pages, float32 or float64.
+    cache_lengths : int array, shape [B]
+        Tokens cached for each sequence *before* this step.
+    lookup_table : int array, shape [B, max_pages]
+        Page ``j`` of sequence ``b`` is ``blocks[lookup_table[b, j]]``.  Entries that no
+        needed token uses may hold any value (a sentinel such as ``num_pages``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import PagedKVCache
+    >>> pages = np.zeros((8, 4, 2, 16), dtype=np.float32)
+    >>> table = np.array([[5, 1, 8], [0, 8, 8]])  # 8 = unused
+    >>> cache = PagedKVCache(pages, np.array([6, 2]), table)
+    >>> cache.page_size, cache.capacity
+    (4, 12)
+    """
+
+    blocks: np.ndarray
+    cache_lengths: np.ndarray
+    lookup_table: np.ndarray
+    _table_ndim = 2
+
+    @property
+    def page_size(self) -> int:
+        return int(self.blocks.shape[1])
+
+    @property
+    def capacity(self) -> int:
+        """Token slots per sequence (``max_pages * page_size``)."""
+        return int(self.lookup_table.shape[1]) * self.page_size
+
+
+KVCache = (ContinuousBatchingKVCache, PagedKVCache)
+
+
+class KVLayout(NamedTuple):
+    """K and V of one call, normalised to the paged addressing every kernel uses."""
+
+    k_blocks: object  # [pages, page_size, Hkv, D], host or device array
+    v_blocks: object
+    page_size: int
+    lookup_table: np.ndarray  # int64 [B, max_pages]
+    row_base: np.ndarray  # int64 [B]
+    cache_lengths: np.ndarray  # int64 [B]: tokens before this step (0 for plain arrays)
+    num_keys: np.ndarray  # int64 [B]: keys each sequence attends over
+    num_kv_heads: int
+    head_dim: int
+
+
+def _contiguous(x):
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x)
+    return x
+
+
+def _check_pair(k, v):
+    if type(k) is not type(v):
+        raise TypeError(
+            f"k and v must be the same kind of input, got {type(k).__name__} and "
+            f"{type(v).__name__}"
+        )
+    if shape_of(k.blocks if isinstance(k, KVCache) else k) != shape_of(
+        v.blocks if isinstance(v, KVCache) else v
+    ):
+        ks = shape_of(k.blocks if isinstance(k, KVCache) else k)
+        vs = shape_of(v.blocks if isinstance(v, KVCache) else v)
+        raise ValueError(f"k and v must have the same shape, got {list(ks)} and {list(vs)}")
+
+
+def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
+    """Validate K/V and describe them as a :class:`KVLayout`.
+
+    Parameters
+    ----------
+    k, v : cache objects, dense ``[B, N, Hkv, D]`` or ragged ``[T, Hkv, D]`` arrays
+    batch : int
+        Number of sequences B.
+    dtype : numpy dtype
+        The queries' dtype, which K and V must share.
+    kv_lens : int64 array [B] or None
+        New K/V rows of this step per sequence (cache inputs), so that
+        ``num_keys = cache_lengths + kv_lens``.  ``None`` means 0.
+    kv_offsets : int64 array [B + 1] or None
+        Ragged split of plain ``[T, Hkv, D]`` arrays (required for them).  Dense
+        ``[B, N, Hkv, D]`` arrays give ``num_keys = N`` for every sequence.
+    """
+    _check_pair(k, v)
+    if isinstance(k, KVCache):
+        return _resolve_cache(k, v, batch=batch, dtype=dtype, kv_lens=kv_lens)
+    check_array("k", k, ndim=(3, 4))
+    check_array("v", v, ndim=(3, 4))
+    for name, x in (("k", k), ("v", v)):
+        if dtype_of(x) != dtype:
+            raise TypeError(f"{name} must have the queries' dtype {dtype}, got {dtype_of(x)}")
+    k = _contiguous(k)
+    v = _contiguous(v)
+    if len(k.shape) == 4:
+        b, n, hkv, d = shape_of(k)
+        if b != batch:
+            raise ValueError(f"k must have shape [B={batch}, N, Hkv, D], got {list(shape_of(k))}")
+        table = np.arange(batch, dtype=np.int64).reshape(batch, 1)
+        return KVLayout(
+            k, v, max(n, 1), table, np.zeros(batch, np.int64), np.zeros(batch, np.int64),
+            np.full(batch, n, np.int64), hkv, d,
+        )
+    t, hkv, d = shape_of(k)
+    if kv_offsets is None:
+        raise ValueError("ragged k and v of shape [T, Hkv, D] need row offsets")
+    kv_offsets = check_row_offsets("kv_input_row_offsets", kv_offsets, t, "k.shape[0]",
+                                   batch=batch)
+    table = np.zeros((batch, 1), dtype=np.int64)
+    return KVLayout(
+        k.reshape(1, t, hkv, d), v.reshape(1, t, hkv, d), max(t, 1), table,
+        kv_offsets[:-1].copy(), np.zeros(batch, np.int64), np.diff(kv_offsets), hkv, d,
+    )
+
+
+def _resolve_cache(k, v, *, batch, dtype, kv_lens):
+    cls = type(k).__name__
+    for name, c in (("k", k), ("v", v)):
+        if dtype_of(c.blocks) != dtype:
+            raise TypeError(
+                f"{name}.blocks must have the queries' dtype {dtype}, got {dtype_of(c.blocks)}"
+            )
+    lengths = host_int_array(f"{cls}.cache_lengths", k.cache_lengths)
+    table = host_int_array(f"{cls}.lookup_table", k.lookup_table, ndim=k._table_ndim)
+    if k.cache_lengths is not v.cache_lengths and not np.array_equal(
+        lengths, host_int_array("v.cache_lengths", v.cache_lengths)
+    ):
+        raise ValueError("k and v caches must share cache_lengths")
+    if k.lookup_table is not v.lookup_table and not np.array_equal(
+        table, host_int_array("v.lookup_table", v.lookup_table, ndim=k._table_ndim)
+    ):
+        raise ValueError("k and v caches must share lookup_table")
+    if lengths.shape[0] != batch:
+        raise ValueError(
+            f"the cache holds {lengths.shape[0]} sequences (cache_lengths) but the queries "
+            f"hold {batch}"
+        )
+    num_keys = lengths + (0 if kv_lens is None else kv_lens)
+    pages, page_size, hkv, d = shape_of(k.blocks)
+    if isinstance(k, ContinuousBatchingKVCache):
+        over = num_keys > page_size
+        if np.any(over):
+            b = int(np.argmax(over))
+            raise ValueError(
+                f"sequence {b} needs {num_keys[b]} tokens (cache_lengths + new rows) but the "
+                f"cache holds max_seq_len = {page_size} per sequence"
+            )
+        used = num_keys > 0
+        bad = used & ((table < 0) | (table >= pages))
+        if np.any(bad):
+            b = int(np.argmax(bad))
+            raise ValueError(
+                f"lookup_table[{b}] = {table[b]} is out of range [0, {pages}) for a sequence "
+                "with tokens"
+            )
+        table = table.reshape(batch, 1)
+    else:
+        max_pages = table.shape[1]
+        over = num_keys > max_pages * page_size
+        if np.any(over):
+            b = int(np.argmax(over))
+            raise ValueError(
+                f"sequence {b} needs {num_keys[b]} tokens (cache_lengths + new rows) but its "
+                f"lookup_table row holds {max_pages} pages of {page_size}"
+            )
+        needed = np.arange(max_pages)[None, :] * page_size < num_keys[:, None]
+        bad = needed & ((table < 0) | (table >= pages))
+        if np.any(bad):
+            b, j = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"lookup_table[{b}, {j}] = {table[b, j]} is out of range [0, {pages}) but "
+                f"sequence {b} uses that page"
+            )
+        # Spare entries may hold any sentinel; give the kernels a safe value there.
+        table = np.where(needed, table, 0)
+    return KVLayout(
+        _contiguous(k.blocks), _contiguous(v.blocks), max(page_size, 1),
+        np.ascontiguousarray(table), np.zeros(batch, np.int64), lengths, num_keys, hkv, d,
+    )
+
+
+def store_kv(cache, new_rows, input_row_offsets):
+    """Write this step's new K (or V) rows into a cache, after its cached tokens.
+
+    Row ``i`` of sequence ``b`` (``new_rows[input_row_offsets[b] + i]``) is stored at token
+    position ``cache.cache_lengths[b] + i``.  ``cache_lengths`` itself is not changed: it
+    keeps counting the tokens that were there before this step, as the attention
+    operations expect.  Everything is validated before anything is written.
+
+    Parameters
+    ----------
+    cache : ContinuousBatchingKVCache or PagedKVCache
+        The cache to write into (host arrays).
+    new_rows : ndarray, shape [T, Hkv, D]
+        New rows of all sequences, concatenated; the cache's dtype.
+    input_row_offsets : int array, shape [B + 1]
+        Sequence ``b`` owns rows ``input_row_offsets[b]:input_row_offsets[b + 1]``.
+
+    Returns
+    -------
+    cache
+        The same cache object, for chaining.
+
+    Raises
+    ------
+    ValueError
+        If a row would land past the sequence's capacity or on a page index out of range,
+        or if shapes disagree.
+    TypeError
+        If ``cache`` is not a cache or dtypes disagree.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import PagedKVCache, store_kv
+    >>> pages = np.zeros((4, 2, 1, 3), dtype=np.float32)
+    >>> cache = PagedKVCache(pages, np.array([1]), np.array([[2, 0, 4]]))
+    >>> rows = np.ones((2, 1, 3), dtype=np.float32)
+    >>> _ = store_kv(cache, rows, np.array([0, 2]))
+    >>> pages[2, 1, 0].tolist(), pages[0, 0, 0].tolist()
+    ([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    """
+    if not isinstance(cache, KVCache):
+        raise TypeError(
+            "cache must be a ContinuousBatchingKVCache or PagedKVCache, got "
+            f"{type(cache).__name__}"
+        )
+    if not isinstance(cache.blocks, np.ndarray):
+        raise TypeError("store_kv writes host (NumPy) caches; cache.blocks is a device array")
+    check_array("new_rows", new_rows, ndim=3)
+    _, _, hkv, d = shape_of(cache.blocks)
+    if shape_of(new_rows)[1:] != (hkv, d):
+        raise ValueError(
+            f"new_rows must have shape [T, Hkv={hkv}, D={d}], got {list(shape_of(new_rows))}"
+        )
+    if dtype_of(new_rows) != dtype_of(cache.blocks):
+        raise TypeError(
+            f"new_rows must have the cache's dtype {dtype_of(cache.blocks)}, got "
+            f"{dtype_of(new_rows)}"
+        )
+    batch = cache.batch_size
+    offsets = check_row_offsets(
+        "input_row_offsets", input_row_offsets, new_rows.shape[0], "new_rows.shape[0]",
+        batch=batch,
+    )
+    kv_lens = np.diff(offsets)
+    layout = _resolve_cache(cache, cache, batch=batch, dtype=dtype_of(cache.blocks),
+                            kv_lens=kv_lens)
+    seq = np.repeat(np.arange(batch), kv_lens)
+    token = layout.cache_lengths[seq] + (np.arange(new_rows.shape[0]) - offsets[seq])
+    pos = layout.row_base[seq] + token
+    pages = layout.lookup_table[seq, pos // layout.page_size]
+    slots = pos % layout.page_size
+    cache.blocks[pages, slots] = new_rows
+    return cache

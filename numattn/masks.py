@@ -1,0 +1,481 @@
+"""Attention masks: frozen dataclasses for users, a flat program for the kernels.
+
+A mask decides which ``(q_idx, k_idx)`` pairs of absolute positions are visible.  Users
+build masks from the dataclasses below and combine them with ``&`` and ``|``.  At the
+host boundary :func:`compile_mask` turns a mask into
+
+* a *mask program*: an ``int64`` array ``[n_ops, 2]`` of ``(opcode, parameter)`` rows in
+  postfix order, which every kernel evaluates with the two plain bodies
+  :func:`mask_visible` (one pair) and :func:`mask_tile_status` (a query range x key range),
+  compiled for the CPU with ``njit`` and for CUDA as device functions; and
+* the additive tensor of a :class:`MaterializedMask`, if the mask has one.
+
+Because the program is data, one compiled kernel serves every mask.
+
+Tile status is one of :data:`TILE_NONE` (no pair of the tile is hidden: no per-element test
+is needed), :data:`TILE_FULL` (every pair is hidden: the tile is skipped and its keys are
+never loaded) and :data:`TILE_PARTIAL`.  It is exact in the sense the kernels rely on: never
+FULL when a pair is visible, never NONE when a pair is hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._jit import body
+
+__all__ = [
+    "AndMask",
+    "CausalMask",
+    "ChunkedCausalMask",
+    "ChunkedMask",
+    "MaterializedMask",
+    "Mask",
+    "NullMask",
+    "OrMask",
+    "SlidingWindowCausalMask",
+    "compile_mask",
+]
+
+# Opcodes of the mask program (leaves, then the two combinators).
+OP_NULL = 0
+OP_CAUSAL = 1
+OP_SLIDING_WINDOW_CAUSAL = 2
+OP_CHUNKED = 3
+OP_CHUNKED_CAUSAL = 4
+OP_AND = 5
+OP_OR = 6
+
+# Tile status.
+TILE_NONE = 0  # nothing hidden
+TILE_PARTIAL = 1  # some pairs hidden, some visible
+TILE_FULL = 2  # every pair hidden
+
+MAX_PROGRAM_DEPTH = 60  # the evaluation stacks are the bits of one int64
+
+
+# --------------------------------------------------------------------------------------
+# Kernel bodies (plain Python: compiled with njit for the CPU, cuda.jit for the GPU).
+# --------------------------------------------------------------------------------------
+@body
+def _leaf_visible(op, param, q_idx, k_idx):
+    if op == OP_NULL:
+        return 1
+    if op == OP_CAUSAL:
+        return 1 if k_idx <= q_idx else 0
+    if op == OP_SLIDING_WINDOW_CAUSAL:
+        return 1 if (k_idx <= q_idx and q_idx - k_idx < param) else 0
+    if op == OP_CHUNKED:
+        return 1 if q_idx // param == k_idx // param else 0
+    # OP_CHUNKED_CAUSAL
+    return 1 if (k_idx <= q_idx and q_idx // param == k_idx // param) else 0
+
+
+@body
+def _leaf_tile(op, param, q0, q1, k0, k1):
+    """(some pair visible, some pair hidden) for queries [q0, q1] x keys [k0, k1]."""
+    if op == OP_NULL:
+        return 1, 0
+    if op == OP_CAUSAL:
+        return (1 if k0 <= q1 else 0), (1 if k1 > q0 else 0)
+    if op == OP_SLIDING_WINDOW_CAUSAL:
+        vis = 1 if (k0 <= q1 and k1 >= q0 - param + 1) else 0
+        hid = 1 if (k1 > q0 or q1 - k0 >= param) else 0
+        return vis, hid
+    cq0 = q0 // param
+    cq1 = q1 // param
+    ck0 = k0 // param
+    ck1 = k1 // param
+    share_chunk = 1 if (max(cq0, ck0) <= min(cq1, ck1)) else 0
+    one_chunk = cq0 == cq1 and cq1 == ck0 and ck0 == ck1
+    if op == OP_CHUNKED:
+        return share_chunk, (0 if one_chunk else 1)
+    # OP_CHUNKED_CAUSAL
+    vis = 1 if (share_chunk == 1 and k0 <= q1) else 0
+    hid = 1 if (k1 > q0 or not one_chunk) else 0
+    return vis, hid
+
+
+@body
+def mask_visible(program, q_idx, k_idx):
+    """True when key ``k_idx`` is visible from query ``q_idx`` under ``program``."""
+    stack = 0
+    for i in range(program.shape[0]):
+        op = program[i, 0]
+        if op == OP_AND or op == OP_OR:
+            a = stack & 1
+            b = (stack >> 1) & 1
+            stack = stack >> 2
+            c = (a & b) if op == OP_AND else (a | b)
+            stack = (stack << 1) | c
+        else:
+            stack = (stack << 1) | _leaf_visible(op, program[i, 1], q_idx, k_idx)
+    return (stack & 1) == 1
+
+
+@body
+def mask_tile_status(program, q0, q1, k0, k1):
+    """TILE_NONE, TILE_PARTIAL or TILE_FULL for queries [q0, q1] x keys [k0, k1] (inclusive).
+
+    Two bit stacks track, for each sub-expression, whether some pair of the tile can be
+    visible and whether some pair can be hidden; both are sound over-approximations.
+    """
+    vis = 0
+    hid = 0
+    for i in range(program.shape[0]):
+        op = program[i, 0]
+        if op == OP_AND or op == OP_OR:
+            va = vis & 1
+            vb = (vis >> 1) & 1
+            ha = hid & 1
+            hb = (hid >> 1) & 1
+            vis = vis >> 2
+            hid = hid >> 2
+            if op == OP_AND:
+                vis = (vis << 1) | (va & vb)
+                hid = (hid << 1) | (ha | hb)
+            else:
+                vis = (vis << 1) | (va | vb)
+                hid = (hid << 1) | (ha & hb)
+        else:
+            v, h = _leaf_tile(op, program[i, 1], q0, q1, k0, k1)
+            vis = (vis << 1) | v
+            hid = (hid << 1) | h
+    if (vis & 1) == 0:
+        return TILE_FULL
+    if (hid & 1) == 0:
+        return TILE_NONE
+    return TILE_PARTIAL
+
+
+# --------------------------------------------------------------------------------------
+# User-facing dataclasses.
+# --------------------------------------------------------------------------------------
+class Mask:
+    """Base class of every mask; supports ``a & b`` (both visible) and ``a | b`` (either)."""
+
+    def __and__(self, other):
+        _check_mask_operand(other, "&")
+        return AndMask(self, other)
+
+    def __or__(self, other):
+        _check_mask_operand(other, "|")
+        return OrMask(self, other)
+
+    def visible(self, q_idx, k_idx):  # pragma: no cover - overridden
+        """Boolean visibility of positions ``q_idx`` and ``k_idx`` (NumPy broadcasting)."""
+        raise NotImplementedError
+
+    def _program(self):  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+def _check_mask_operand(other, op):
+    if not isinstance(other, Mask):
+        raise TypeError(f"cannot combine a mask with {type(other).__name__} using {op!r}")
+
+
+def _check_positive(cls, name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{cls}.{name} must be an integer, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{cls}.{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class NullMask(Mask):
+    """Every key is visible.
+
+    Examples
+    --------
+    >>> from numattn import NullMask
+    >>> bool(NullMask().visible(0, 5))
+    True
+    """
+
+    def visible(self, q_idx, k_idx):
+        return np.ones(np.broadcast_shapes(np.shape(q_idx), np.shape(k_idx)), dtype=bool)
+
+    def _program(self):
+        return [(OP_NULL, 0)]
+
+
+@dataclass(frozen=True)
+class CausalMask(Mask):
+    """Key ``k_idx`` is visible from query ``q_idx`` iff ``k_idx <= q_idx``.
+
+    Queries sit at the last positions of their sequence, so this is the bottom-right
+    aligned causal mask of a KV cache.
+
+    Examples
+    --------
+    >>> from numattn import CausalMask
+    >>> CausalMask().visible(2, [1, 2, 3]).tolist()
+    [True, True, False]
+    """
+
+    def visible(self, q_idx, k_idx):
+        return np.asarray(k_idx) <= np.asarray(q_idx)
+
+    def _program(self):
+        return [(OP_CAUSAL, 0)]
+
+
+@dataclass(frozen=True)
+class SlidingWindowCausalMask(Mask):
+    """Causal, and only the last ``window`` keys: ``k <= q`` and ``q - k < window``.
+
+    Parameters
+    ----------
+    window : int
+        Number of visible keys ending at the query itself (>= 1).
+
+    Examples
+    --------
+    >>> from numattn import SlidingWindowCausalMask
+    >>> SlidingWindowCausalMask(2).visible(5, [3, 4, 5, 6]).tolist()
+    [False, True, True, False]
+    """
+
+    window: int
+
+    def __post_init__(self):
+        _check_positive("SlidingWindowCausalMask", "window", self.window)
+
+    def visible(self, q_idx, k_idx):
+        q = np.asarray(q_idx)
+        k = np.asarray(k_idx)
+        return (k <= q) & (q - k < self.window)
+
+    def _program(self):
+        return [(OP_SLIDING_WINDOW_CAUSAL, int(self.window))]
+
+
+@dataclass(frozen=True)
+class ChunkedMask(Mask):
+    """Keys in the same ``chunk``-aligned chunk as the query: ``q // chunk == k // chunk``.
+
+    Examples
+    --------
+    >>> from numattn import ChunkedMask
+    >>> ChunkedMask(4).visible(5, [3, 4, 7, 8]).tolist()
+    [False, True, True, False]
+    """
+
+    chunk: int
+
+    def __post_init__(self):
+        _check_positive("ChunkedMask", "chunk", self.chunk)
+
+    def visible(self, q_idx, k_idx):
+        return np.asarray(q_idx) // self.chunk == np.asarray(k_idx) // self.chunk
+
+    def _program(self):
+        return [(OP_CHUNKED, int(self.chunk))]
+
+
+@dataclass(frozen=True)
+class ChunkedCausalMask(Mask):
+    """Causal within the query's chunk: ``k <= q`` and ``q // chunk == k // chunk``.
+
+    Examples
+    --------
+    >>> from numattn import ChunkedCausalMask
+    >>> ChunkedCausalMask(4).visible(5, [3, 4, 5, 6]).tolist()
+    [False, True, True, False]
+    """
+
+    chunk: int
+
+    def __post_init__(self):
+        _check_positive("ChunkedCausalMask", "chunk", self.chunk)
+
+    def visible(self, q_idx, k_idx):
+        q = np.asarray(q_idx)
+        k = np.asarray(k_idx)
+        return (k <= q) & (q // self.chunk == k // self.chunk)
+
+    def _program(self):
+        return [(OP_CHUNKED_CAUSAL, int(self.chunk))]
+
+
+@dataclass(frozen=True, eq=False)
+class MaterializedMask(Mask):
+    """An additive mask tensor: scores become ``s + tensor[b, (h,) r, k_idx]``.
+
+    ``r`` is the query's row inside its sequence and ``k_idx`` the absolute key position;
+    ``-inf`` entries hide a key exactly.  The tensor is ``[S, N]`` (shared by the batch),
+    ``[B, S, N]`` or ``[B, H, S, N]``; its dtype must match the queries'.  A materialized
+    mask may be combined with ``&`` (the pairs that the other masks hide stay hidden) but
+    not with ``|``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import CausalMask, MaterializedMask
+    >>> bias = np.zeros((4, 4), dtype=np.float32)
+    >>> mask = MaterializedMask(bias) & CausalMask()
+    """
+
+    tensor: np.ndarray
+
+    def __post_init__(self):
+        t = self.tensor
+        if not hasattr(t, "shape") or not hasattr(t, "dtype"):
+            raise TypeError(
+                f"MaterializedMask.tensor must be an array, got {type(t).__name__}"
+            )
+        if len(t.shape) not in (2, 3, 4):
+            raise ValueError(
+                "MaterializedMask.tensor must be [S, N], [B, S, N] or [B, H, S, N], "
+                f"got shape {tuple(t.shape)}"
+            )
+
+    def visible(self, q_idx, k_idx):
+        return np.ones(np.broadcast_shapes(np.shape(q_idx), np.shape(k_idx)), dtype=bool)
+
+    def _program(self):
+        return [(OP_NULL, 0)]
+
+
+@dataclass(frozen=True, eq=False)
+class AndMask(Mask):
+    """Visible iff visible under both ``left`` and ``right`` (``left & right``)."""
+
+    left: Mask
+    right: Mask
+
+    def visible(self, q_idx, k_idx):
+        return self.left.visible(q_idx, k_idx) & self.right.visible(q_idx, k_idx)
+
+    def _program(self):
+        return self.left._program() + self.right._program() + [(OP_AND, 0)]
+
+
+@dataclass(frozen=True, eq=False)
+class OrMask(Mask):
+    """Visible iff visible under ``left`` or ``right`` (``left | right``)."""
+
+    left: Mask
+    right: Mask
+
+    def visible(self, q_idx, k_idx):
+        return self.left.visible(q_idx, k_idx) | self.right.visible(q_idx, k_idx)
+
+    def _program(self):
+        return self.left._program() + self.right._program() + [(OP_OR, 0)]
+
+
+def _materialized_leaves(mask, under_or=False):
+    if isinstance(mask, MaterializedMask):
+        if under_or:
+            raise ValueError("a MaterializedMask cannot be combined with '|'; use '&'")
+        return [mask]
+    if isinstance(mask, AndMask):
+        return _materialized_leaves(mask.left, under_or) + _materialized_leaves(
+            mask.right, under_or
+        )
+    if isinstance(mask, OrMask):
+        return _materialized_leaves(mask.left, True) + _materialized_leaves(mask.right, True)
+    return []
+
+
+def _program_depth(program):
+    depth = best = 0
+    for op, _ in program:
+        depth = depth - 1 if op in (OP_AND, OP_OR) else depth + 1
+        best = max(best, depth)
+    return best
+
+
+def as_mask(mask, name="mask"):
+    """Accept a :class:`Mask`, ``None`` (no mask) or an ndarray (a materialized mask)."""
+    if mask is None:
+        return NullMask()
+    if isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, np.ndarray):
+        return MaterializedMask(mask)
+    raise TypeError(
+        f"{name} must be a numattn mask (NullMask, CausalMask, ...) or an additive ndarray, "
+        f"got {type(mask).__name__}"
+    )
+
+
+def compile_mask(mask, name="mask"):
+    """Split a mask into ``(program, additive)`` for the kernels.
+
+    Returns
+    -------
+    program : ndarray of int64, shape [n_ops, 2]
+        The postfix mask program evaluated by :func:`mask_visible` and
+        :func:`mask_tile_status` (a materialized mask contributes an always-visible leaf).
+    additive : ndarray or None
+        The tensor of the mask's :class:`MaterializedMask`, if it has one.
+
+    Examples
+    --------
+    >>> from numattn.masks import CausalMask, SlidingWindowCausalMask, compile_mask
+    >>> program, additive = compile_mask(CausalMask() & SlidingWindowCausalMask(8))
+    >>> program.tolist(), additive
+    ([[1, 0], [2, 8], [5, 0]], None)
+    """
+    mask = as_mask(mask, name)
+    leaves = _materialized_leaves(mask)
+    if len(leaves) > 1:
+        raise ValueError(f"{name} may hold at most one MaterializedMask, found {len(leaves)}")
+    program = mask._program()
+    if _program_depth(program) > MAX_PROGRAM_DEPTH:
+        raise ValueError(f"{name} is nested too deeply (more than {MAX_PROGRAM_DEPTH} levels)")
+    program = np.asarray(program, dtype=np.int64).reshape(-1, 2)
+    return program, (leaves[0].tensor if leaves else None)
+
+
+def additive_4d(tensor, *, batch, num_heads, max_q_len, max_keys, dtype, name="mask"):
+    """Validate an additive mask tensor and view it as ``[Bm, Hm, Sm, Nm]`` for the kernels.
+
+    ``[S, N]`` becomes ``[1, 1, S, N]`` and ``[B, S, N]`` becomes ``[B, 1, S, N]``; kernels
+    read ``t[b if Bm > 1 else 0, h if Hm > 1 else 0, r, k_idx]``.  ``None`` gives a
+    ``[1, 1, 1, 1]`` placeholder (and the caller passes ``has_additive=False``).  The tensor
+    must cover every local query row (``max_q_len``) and key position (``max_keys``).
+    """
+    if tensor is None:
+        return np.zeros((1, 1, 1, 1), dtype=dtype)
+    from ._validate import dtype_of, shape_of
+
+    shape = shape_of(tensor)
+    if dtype_of(tensor) != np.dtype(dtype):
+        raise TypeError(
+            f"{name}: the additive mask tensor must have the queries' dtype {np.dtype(dtype)}, "
+            f"got {dtype_of(tensor)}"
+        )
+    if len(shape) == 2:
+        tensor = tensor.reshape((1, 1, *shape))
+    elif len(shape) == 3:
+        if shape[0] != batch:
+            raise ValueError(
+                f"{name}: a [B, S, N] additive mask must have B = {batch}, got shape {list(shape)}"
+            )
+        tensor = tensor.reshape((shape[0], 1, shape[1], shape[2]))
+    elif len(shape) == 4:
+        if shape[0] != batch or shape[1] != num_heads:
+            raise ValueError(
+                f"{name}: a [B, H, S, N] additive mask must have B = {batch} and H = "
+                f"{num_heads}, got shape {list(shape)}"
+            )
+    else:
+        raise ValueError(
+            f"{name}: an additive mask must be [S, N], [B, S, N] or [B, H, S, N], got shape "
+            f"{list(shape)}"
+        )
+    s_dim, n_dim = shape_of(tensor)[2:]
+    if s_dim < max_q_len or n_dim < max_keys:
+        raise ValueError(
+            f"{name}: the additive mask must cover S >= {max_q_len} query rows and N >= "
+            f"{max_keys} keys, got shape {list(shape)}"
+        )
+    if isinstance(tensor, np.ndarray):
+        tensor = np.ascontiguousarray(tensor)
+    return tensor

@@ -1,0 +1,129 @@
+"""``merge_states``: combine attention results over disjoint key sets (split-K)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from ._jit import body, cpu_jit, prange
+from ._softmax import merge_weight
+from ._validate import check_float_dtype, dtype_of, shape_of
+
+__all__ = ["merge_states"]
+
+
+@body
+def merge_row(part_out, part_lse, r, out, lse):
+    """Merge row ``r`` of ``part_out [P, R, D]`` / ``part_lse [P, R]`` into ``out[r]``, ``lse[r]``.
+
+    Parts whose lse is ``-inf`` (no visible key) weigh exactly 0, and their outputs are not
+    read.  Plain body, shared by the CPU and CUDA reductions.
+    """
+    num_parts = part_lse.shape[0]
+    big = -math.inf
+    for p in range(num_parts):
+        x = part_lse[p, r]
+        if x > big or x != x:
+            big = x
+    total = big - big  # 0 of the right type when big is finite
+    if big == -math.inf:
+        for d in range(out.shape[1]):
+            out[r, d] = 0.0
+        lse[r] = big
+        return
+    for p in range(num_parts):
+        total += merge_weight(part_lse[p, r], big)
+    for d in range(out.shape[1]):
+        acc = total - total
+        for p in range(num_parts):
+            w = merge_weight(part_lse[p, r], big)
+            if w != 0:
+                acc += w * part_out[p, r, d]
+        out[r, d] = acc / total
+    lse[r] = big + math.log(total)
+
+
+def _merge_states_kernel(part_out, part_lse, out, lse):
+    for r in prange(part_lse.shape[1]):
+        merge_row(part_out, part_lse, r, out, lse)
+
+
+def merge_states(outs, lses):
+    """Combine attention results over disjoint key sets into the result over their union.
+
+    Given partial outputs ``O_p`` and log-sum-exps ``lse_p`` (natural log) of the same
+    queries over disjoint key sets, returns::
+
+        lse = log(sum_p e^lse_p),   out = sum_p e^(lse_p - lse) O_p
+
+    A part with ``lse_p = -inf`` (no visible key) contributes exactly nothing, and a row
+    whose parts are all empty gives 0 and ``-inf``.
+
+    Parameters
+    ----------
+    outs : sequence of ndarray [..., D], or ndarray [P, ..., D]
+        Partial outputs, float32 or float64, all of one shape and dtype.
+    lses : sequence of ndarray [...], or ndarray [P, ...]
+        Their log-sum-exps, in the same dtype.
+
+    Returns
+    -------
+    out : ndarray [..., D]
+    lse : ndarray [...]
+
+    Raises
+    ------
+    ValueError
+        If there are no parts or the shapes disagree.
+    TypeError
+        If dtypes are not float32/float64 or disagree.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import numattn
+    >>> q = np.random.default_rng(0).standard_normal((1, 1, 2, 8))
+    >>> kv = np.random.default_rng(1).standard_normal((1, 6, 2, 8))
+    >>> full = numattn.reference.flash_attention_kv_cache(q, kv, kv, None, return_lse=True)
+    >>> a = numattn.reference.flash_attention_kv_cache(q, kv[:, :4], kv[:, :4], None,
+    ...                                                return_lse=True)
+    >>> b = numattn.reference.flash_attention_kv_cache(q, kv[:, 4:], kv[:, 4:], None,
+    ...                                                return_lse=True)
+    >>> out, lse = numattn.merge_states([a[0], b[0]], [a[1], b[1]])
+    >>> bool(np.allclose(out, full[0]) and np.allclose(lse, full[1]))
+    True
+    """
+    if isinstance(outs, np.ndarray):
+        outs = list(outs)
+    if isinstance(lses, np.ndarray):
+        lses = list(lses)
+    outs = list(outs)
+    lses = list(lses)
+    if not outs:
+        raise ValueError("merge_states needs at least one part, got none")
+    if len(outs) != len(lses):
+        raise ValueError(f"got {len(outs)} outputs but {len(lses)} lses")
+    dtype = check_float_dtype("outs[0]", outs[0])
+    out_shape = shape_of(outs[0])
+    if len(out_shape) < 1:
+        raise ValueError("each output must have at least one dimension (the head dim D)")
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        if dtype_of(o) != dtype or dtype_of(x) != dtype:
+            raise TypeError(
+                f"outs[{i}] and lses[{i}] must have dtype {dtype}, got {dtype_of(o)} and "
+                f"{dtype_of(x)}"
+            )
+        if shape_of(o) != out_shape:
+            raise ValueError(f"outs[{i}] has shape {list(shape_of(o))}, expected "
+                             f"{list(out_shape)}")
+        if shape_of(x) != out_shape[:-1]:
+            raise ValueError(f"lses[{i}] has shape {list(shape_of(x))}, expected "
+                             f"{list(out_shape[:-1])}")
+    rows = int(np.prod(out_shape[:-1], dtype=np.int64))
+    d = out_shape[-1]
+    part_out = np.ascontiguousarray(np.stack([np.asarray(o) for o in outs]).reshape(-1, rows, d))
+    part_lse = np.ascontiguousarray(np.stack([np.asarray(x) for x in lses]).reshape(-1, rows))
+    out = np.empty((rows, d), dtype=dtype)
+    lse = np.empty(rows, dtype=dtype)
+    cpu_jit(_merge_states_kernel, parallel=True)(part_out, part_lse, out, lse)
+    return out.reshape(out_shape), lse.reshape(out_shape[:-1])

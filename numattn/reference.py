@@ -1,0 +1,235 @@
+"""Float64 NumPy reference implementations: simple, slow and obviously right.
+
+These are the oracle the tests and ``python -m numattn check`` compare every kernel
+with.  They follow ``API.md`` literally: every key is gathered from its cache slot one
+sequence at a time, scores are ``scale * (q . k)``, invisible pairs are removed before the
+softmax (so NaN in a hidden or unused slot can never reach the output), sinks enter the
+denominator once, rows with no visible key give 0 and ``lse = -inf`` (or the sink logit).
+
+All results are float64, whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .kv_cache import ContinuousBatchingKVCache, PagedKVCache
+from .masks import AndMask, MaterializedMask, NullMask, OrMask, as_mask
+
+__all__ = ["cross_attention", "decode_attention", "flash_attention_kv_cache", "merge_states"]
+
+
+def _tokens(x, b, start, count, kv_offsets=None):
+    """Rows ``start .. start + count - 1`` of sequence ``b`` of a K or V input, float64."""
+    t = np.arange(start, start + count)
+    if isinstance(x, PagedKVCache):
+        ps = x.blocks.shape[1]
+        pages = np.asarray(x.lookup_table)[b, t // ps]
+        rows = x.blocks[pages, t % ps]
+    elif isinstance(x, ContinuousBatchingKVCache):
+        rows = x.blocks[int(np.asarray(x.lookup_table)[b]), t]
+    elif x.ndim == 4:  # dense [B, N, Hkv, D]
+        rows = x[b, t]
+    else:  # ragged [T, Hkv, D]
+        rows = x[kv_offsets[b] + t]
+    return np.asarray(rows, dtype=np.float64)
+
+
+def _additive_tensor(mask):
+    """The additive tensor of a mask (None if it has none)."""
+    if isinstance(mask, MaterializedMask):
+        return mask.tensor
+    if isinstance(mask, (AndMask, OrMask)):
+        for part in (mask.left, mask.right):
+            t = _additive_tensor(part)
+            if t is not None:
+                return t
+    return None
+
+
+def _attend(q, keys, values, q_pos, rows, b, mask, scale, sink_weights):
+    """Attention of queries ``q [S, H, D]`` over ``keys/values [N, Hkv, D]`` (float64).
+
+    ``q_pos[i]`` is the absolute position of query ``i`` and ``rows[i]`` its local row
+    (for additive tensors).  Returns ``out [S, H, D]`` and ``lse [S, H]``.
+    """
+    s_len, h, d = q.shape
+    n, hkv = keys.shape[0], keys.shape[1]
+    group = h // hkv
+    out = np.zeros((s_len, h, d))
+    lse = np.full((s_len, h), -np.inf)
+    k_idx = np.arange(n)
+    visible = mask.visible(q_pos[:, None], k_idx[None, :]) if n else np.zeros((s_len, 0), bool)
+    additive = _additive_tensor(mask)
+    for head in range(h):
+        kv = head // group
+        scores = scale * (q[:, head, :] @ keys[:, kv, :].T)  # [S, N]
+        if additive is not None and n:
+            t = np.asarray(additive, dtype=np.float64)
+            if t.ndim == 2:
+                bias = t[rows][:, :n]
+            elif t.ndim == 3:
+                bias = t[b][rows][:, :n]
+            else:
+                bias = t[b, head][rows][:, :n]
+            scores = scores + bias
+        for i in range(s_len):
+            sel = visible[i].copy()
+            if additive is not None:
+                sel &= ~(scores[i] == -np.inf)
+            s = scores[i, sel]
+            sink = None if sink_weights is None else float(sink_weights[head])
+            if s.size == 0 and sink is None:
+                continue
+            m = max(s.max() if s.size else -np.inf, -np.inf if sink is None else sink)
+            p = np.exp(s - m)
+            denom = p.sum() + (0.0 if sink is None else np.exp(sink - m))
+            out[i, head] = (p @ values[sel, kv, :]) / denom
+            lse[i, head] = m + np.log(denom)
+    return out, lse
+
+
+def _scale(scale, d):
+    return 1.0 / np.sqrt(d) if scale is None else float(scale)
+
+
+def _cache_lengths(k, batch):
+    if isinstance(k, (PagedKVCache, ContinuousBatchingKVCache)):
+        return np.asarray(k.cache_lengths, dtype=np.int64)
+    return np.zeros(batch, dtype=np.int64)
+
+
+def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=None,
+                             kv_input_row_offsets=None, sink_weights=None, return_lse=False):
+    """Reference for :func:`numattn.flash_attention_kv_cache` (float64 results).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import CausalMask, reference
+    >>> q = np.ones((1, 2, 1, 4)); k = np.ones((1, 3, 1, 4)); v = np.arange(12.).reshape(1, 3, 1, 4)
+    >>> reference.flash_attention_kv_cache(q, k, v, CausalMask())[0, 0, 0].tolist()
+    [2.0, 3.0, 4.0, 5.0]
+    """
+    mask = as_mask(mask)
+    q = np.asarray(q, dtype=np.float64)
+    sinks = None if sink_weights is None else np.asarray(sink_weights, np.float64)
+    d = q.shape[-1]
+    sc = _scale(scale, d)
+    if q_input_row_offsets is None:  # padded [B, S, H, D]
+        batch, s_len = q.shape[:2]
+        cl = _cache_lengths(k, batch)
+        out = np.zeros(q.shape)
+        lse = np.full(q.shape[:3], -np.inf)
+        for b in range(batch):
+            n = (k.shape[1] if isinstance(k, np.ndarray) else cl[b] + s_len)
+            keys, vals = _tokens(k, b, 0, n), _tokens(v, b, 0, n)
+            rows = np.arange(s_len)
+            out[b], lse[b] = _attend(q[b], keys, vals, n - s_len + rows, rows, b, mask, sc,
+                                     sinks)
+    else:
+        qo = np.asarray(q_input_row_offsets, dtype=np.int64)
+        ko = qo if kv_input_row_offsets is None else np.asarray(kv_input_row_offsets, np.int64)
+        batch = len(qo) - 1
+        cl = _cache_lengths(k, batch)
+        out = np.zeros(q.shape)
+        lse = np.full(q.shape[:2], -np.inf)
+        for b in range(batch):
+            q_len = qo[b + 1] - qo[b]
+            n = cl[b] + ko[b + 1] - ko[b]
+            keys, vals = _tokens(k, b, 0, n, ko), _tokens(v, b, 0, n, ko)
+            rows = np.arange(q_len)
+            sl = slice(qo[b], qo[b + 1])
+            out[sl], lse[sl] = _attend(q[sl], keys, vals, n - q_len + rows, rows, b, mask, sc,
+                                       sinks)
+    return (out, lse) if return_lse else out
+
+
+def decode_attention(q, k, v, mask=None, scale=None, *, sink_weights=None, return_lse=False):
+    """Reference for :func:`numattn.decode_attention`: ``q [B, H, D]``, one token each.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import reference
+    >>> q = np.zeros((1, 1, 2)); k = np.zeros((1, 4, 1, 2)); v = np.arange(8.).reshape(1, 4, 1, 2)
+    >>> reference.decode_attention(q, k, v).tolist()
+    [[[3.0, 4.0]]]
+    """
+    mask = as_mask(mask if mask is not None else NullMask())
+    q = np.asarray(q, dtype=np.float64)
+    batch, h, d = q.shape
+    sc = _scale(scale, d)
+    sinks = None if sink_weights is None else np.asarray(sink_weights, np.float64)
+    cl = _cache_lengths(k, batch)
+    out = np.zeros(q.shape)
+    lse = np.full((batch, h), -np.inf)
+    for b in range(batch):
+        n = k.shape[1] if isinstance(k, np.ndarray) else cl[b] + 1
+        keys, vals = _tokens(k, b, 0, n), _tokens(v, b, 0, n)
+        o, l_ = _attend(q[b][None], keys, vals, np.array([n - 1]), np.array([0]), b, mask, sc,
+                        sinks)
+        out[b], lse[b] = o[0], l_[0]
+    return (out, lse) if return_lse else out
+
+
+def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_offsets,
+                    mask=None, scale=None, *, return_lse=False):
+    """Reference for :func:`numattn.cross_attention`: queries at ``q_idx = r``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import reference
+    >>> q = np.zeros((2, 1, 2)); kv = np.arange(6.).reshape(3, 1, 2)
+    >>> reference.cross_attention(q, [0, 2], 2, kv, kv, [0, 3])[0, 0].tolist()
+    [2.0, 3.0]
+    """
+    mask = as_mask(mask if mask is not None else NullMask())
+    q = np.asarray(q, dtype=np.float64)
+    qo = np.asarray(q_input_row_offsets, dtype=np.int64)
+    ko = np.asarray(kv_input_row_offsets, dtype=np.int64)
+    batch = len(qo) - 1
+    sc = _scale(scale, q.shape[-1])
+    cl = _cache_lengths(k, batch)
+    out = np.zeros(q.shape)
+    lse = np.full(q.shape[:2], -np.inf)
+    for b in range(batch):
+        q_len = qo[b + 1] - qo[b]
+        n = cl[b] + ko[b + 1] - ko[b]
+        keys, vals = _tokens(k, b, 0, n, ko), _tokens(v, b, 0, n, ko)
+        rows = np.arange(q_len)
+        sl = slice(qo[b], qo[b + 1])
+        out[sl], lse[sl] = _attend(q[sl], keys, vals, rows, rows, b, mask, sc, None)
+    return (out, lse) if return_lse else out
+
+
+def merge_states(outs, lses):
+    """Reference for :func:`numattn.merge_states` (float64).
+
+    ``outs`` is a sequence of ``[..., D]`` partial outputs over disjoint key sets and
+    ``lses`` their ``[...]`` log-sum-exps; returns ``(out, lse)`` over the union.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import reference
+    >>> o, l = reference.merge_states([np.ones((1, 2)), np.zeros((1, 2))],
+    ...                               [np.zeros(1), np.zeros(1)])
+    >>> o.tolist(), np.round(l, 4).tolist()
+    ([[0.5, 0.5]], [0.6931])
+    """
+    outs = [np.asarray(o, dtype=np.float64) for o in outs]
+    lses = [np.asarray(x, dtype=np.float64) for x in lses]
+    lse_all = np.stack(lses)
+    m = lse_all.max(axis=0)
+    safe_m = np.where(np.isfinite(m), m, 0.0)
+    w = np.exp(lse_all - safe_m)  # -inf parts weigh exactly 0
+    total = w.sum(axis=0)
+    out = np.zeros(outs[0].shape)
+    for wi, oi in zip(w, outs):
+        out = out + np.where(wi[..., None] > 0, wi[..., None] * oi, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(total[..., None] > 0, out / total[..., None], 0.0)
+        lse = np.where(total > 0, safe_m + np.log(total), -np.inf)
+    return out, lse
