@@ -51,8 +51,11 @@ def require_cuda():
 
 
 def is_device_array(x) -> bool:
-    """True for any object exposing ``__cuda_array_interface__`` (Numba, CuPy, PyTorch...)."""
-    return hasattr(x, "__cuda_array_interface__")
+    """True for any object exposing ``__cuda_array_interface__`` (Numba, CuPy, PyTorch...).
+
+    The CUDA simulator's device arrays lack that interface but carry ``__cuda_ndarray__``.
+    """
+    return hasattr(x, "__cuda_array_interface__") or hasattr(x, "__cuda_ndarray__")
 
 
 def resolve_device(device, arrays) -> str:

@@ -32,8 +32,9 @@ def online_update(m, l, s):
     """Add one score ``s`` to the state ``(m, l)``.
 
     Returns ``(m_new, l_new, alpha, p)``: the caller updates its accumulator as
-    ``acc = acc * alpha + p * v``.  A ``-inf`` score (a hidden key) changes nothing; a NaN
-    score propagates into ``l``.
+    ``acc = acc * alpha + p * v``.  A ``-inf`` score (a hidden key) leaves the state as it
+    is, but callers skip hidden keys altogether: ``0 * v`` would let a NaN stored in a hidden
+    slot reach the output.  A NaN score propagates into ``l``.
     """
     m_new = max(m, s)
     alpha = exp_diff(m, m_new)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
 from ._jit import body, cpu_jit, prange
 from ._softmax import merge_weight
 from ._validate import check_float_dtype, dtype_of, shape_of

@@ -1,0 +1,69 @@
+"""Test configuration: seeded RNG per test, CUDA availability, PTX compilation without a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+CUDASIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test, seeded from the test's name (reproducible, not zeros)."""
+    seed = abs(hash(request.node.nodeid)) % (2**32)
+    return np.random.default_rng(seed)
+
+
+def cuda_runnable() -> bool:
+    from numattn import _cuda
+
+    return _cuda.is_available()
+
+
+#: CUDA semantics tests: they run under the simulator (tox -e cudasim) or on a GPU.
+requires_cuda = pytest.mark.skipif(
+    not cuda_runnable(),
+    reason="needs a CUDA GPU or the CUDA simulator (tox -e cudasim runs these)",
+)
+
+
+def _nvvm_available() -> bool:
+    if CUDASIM:
+        return False
+    try:
+        from numba.cuda.cudadrv import nvvm
+
+        return nvvm.is_available()
+    except Exception:
+        return False
+
+
+@pytest.fixture
+def ptx_compiler(monkeypatch):
+    """``compile(kernel_pyfunc, signature)`` -> PTX for ``cc=(9, 0)``, with no GPU present.
+
+    Compiling a kernel that calls device functions asks numba for the current device's
+    compute capability; a fake device answers (9, 0) so the compile-check runs on a
+    GPU-less machine.  Skips (with the reason) where NVVM is missing or under the simulator.
+    """
+    if not _nvvm_available():
+        pytest.skip("needs NVVM from the 'cuda' extra (numba-cuda[cu12]) and no simulator")
+    from numba.cuda import compile_ptx
+    from numba.cuda import dispatcher as cuda_dispatcher
+
+    from numattn._jit import cuda_source
+
+    class _FakeDevice:
+        compute_capability = (9, 0)
+
+    monkeypatch.setattr(cuda_dispatcher, "get_current_device", lambda: _FakeDevice())
+
+    def compile(kernel, signature):
+        ptx, _ = compile_ptx(cuda_source(kernel), signature, cc=(9, 0))
+        assert ".target sm_90" in ptx
+        return ptx
+
+    return compile

@@ -1,0 +1,99 @@
+"""MHAConfig ranges and the shared argument checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from numattn import MHAConfig
+from numattn import _validate as V
+from numattn._cuda import CudaUnavailableError, is_device_array, resolve_device
+from numattn.config import resolve_config
+
+
+def test_config_defaults_and_ranges():
+    cfg = MHAConfig()
+    assert (cfg.block_q, cfg.block_k, cfg.num_partitions, cfg.threads_per_block) == (
+        256, 128, None, 128)
+    assert MHAConfig(block_q=np.int64(8)).block_q == 8
+    for kwargs, exc, match in [
+        ({"block_q": 0}, ValueError, "block_q"),
+        ({"block_k": 70000}, ValueError, "block_k"),
+        ({"num_partitions": 0}, ValueError, "num_partitions"),
+        ({"threads_per_block": 96}, ValueError, "power of two"),
+        ({"threads_per_block": 16}, ValueError, "threads_per_block"),
+        ({"block_q": 2.0}, TypeError, "integer"),
+        ({"block_k": True}, TypeError, "integer"),
+    ]:
+        with pytest.raises(exc, match=match):
+            MHAConfig(**kwargs)
+    with pytest.raises(AttributeError):
+        cfg.block_q = 4
+    assert resolve_config(None) is resolve_config(None)
+    with pytest.raises(TypeError, match="config must be an MHAConfig"):
+        resolve_config({"block_q": 4})
+
+
+def test_row_offsets_checks():
+    assert V.check_row_offsets("o", np.array([0, 2, 2, 5], np.uint8), 5, "T").dtype == np.int64
+    with pytest.raises(ValueError, match=r"o\[0\] must be 0"):
+        V.check_row_offsets("o", [1, 2], 2, "T")
+    with pytest.raises(ValueError, match="non-decreasing"):
+        V.check_row_offsets("o", [0, 3, 2], 2, "T")
+    with pytest.raises(ValueError, match=r"o\[-1\] must equal T = 4"):
+        V.check_row_offsets("o", [0, 3], 4, "T")
+    with pytest.raises(ValueError, match="length B \\+ 1 = 3"):
+        V.check_row_offsets("o", [0, 3], 3, "T", batch=2)
+    with pytest.raises(TypeError, match="integer dtype"):
+        V.check_row_offsets("o", np.array([0.0, 1.0]), 1, "T")
+    with pytest.raises(ValueError, match="1-d"):
+        V.check_row_offsets("o", np.zeros((2, 2), int), 0, "T")
+
+
+def test_scale_sinks_heads_out():
+    assert V.check_scale(None, 16) == 0.25
+    assert V.check_scale(2, 16) == 2.0
+    with pytest.raises(ValueError, match="finite"):
+        V.check_scale(np.inf, 4)
+    with pytest.raises(TypeError, match="scale"):
+        V.check_scale("1", 4)
+    s = V.check_sink_weights([1.0, 2.0] and np.array([1.0, 2.0]), 2, np.float32)
+    assert s.dtype == np.float32
+    with pytest.raises(ValueError, match=r"sink_weights must have shape \[3\]"):
+        V.check_sink_weights(np.ones(2), 3, np.float32)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        V.check_sink_weights(np.ones(2, int), 2, np.float32)
+    assert V.check_heads(8, 2) == 4
+    with pytest.raises(ValueError, match="multiple"):
+        V.check_heads(6, 4)
+    out = np.empty((2, 3), np.float32)
+    assert V.check_out(out, (2, 3), np.float32) is out
+    with pytest.raises(ValueError, match=r"out must have shape \[3, 2\]"):
+        V.check_out(out, (3, 2), np.float32)
+    with pytest.raises(TypeError, match="dtype float64"):
+        V.check_out(out, (2, 3), np.float64)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        V.check_out(np.empty((3, 2), np.float32).T, (2, 3), np.float32)
+    with pytest.raises(TypeError, match="must be an array"):
+        V.check_array("q", [1, 2])
+    with pytest.raises(ValueError, match="q must be 3-d or 4-d"):
+        V.check_array("q", np.zeros(2), ndim=(3, 4))
+
+
+class _FakeDeviceArray:
+    @property
+    def __cuda_array_interface__(self):
+        return {}
+
+
+def test_device_resolution():
+    host = np.zeros(2)
+    assert resolve_device("auto", [host]) == "cpu"
+    assert resolve_device("auto", [host, _FakeDeviceArray()]) == "cuda"
+    assert resolve_device("cuda", [host]) == "cuda"
+    assert is_device_array(_FakeDeviceArray()) and not is_device_array(host)
+    with pytest.raises(TypeError, match="device='cpu'"):
+        resolve_device("cpu", [_FakeDeviceArray()])
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("gpu", [host])
+    assert issubclass(CudaUnavailableError, RuntimeError)

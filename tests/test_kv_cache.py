@@ -1,0 +1,171 @@
+"""KV caches: construction checks, the shared addressing, store_kv, and every index check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numattn
+from numattn.kv_cache import kv_page_slot, resolve_kv
+
+from .utils import make_cache
+
+F32 = np.dtype(np.float32)
+
+
+def _gather(layout, blocks, b, n):
+    rows = []
+    for t in range(n):
+        page, slot = kv_page_slot(layout.lookup_table, layout.page_size, layout.row_base, b, t)
+        rows.append(blocks[page, slot])
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("kind", ["continuous", "paged"])
+def test_resolve_cache_addresses_every_token(kind, rng):
+    lengths = np.array([0, 5, 9, 1])
+    new = np.array([2, 0, 3, 4])
+    kb, vb, tk, tv, table = make_cache(rng, kind, lengths + new, 2, 3, np.float32, page_size=4)
+    cls = numattn.PagedKVCache if kind == "paged" else numattn.ContinuousBatchingKVCache
+    k, v = cls(kb, lengths, table), cls(vb, lengths, table)
+    layout = resolve_kv(k, v, batch=4, dtype=F32, kv_lens=new)
+    assert layout.num_keys.tolist() == (lengths + new).tolist()
+    for b in range(4):
+        n = int(layout.num_keys[b])
+        assert np.array_equal(_gather(layout, layout.k_blocks, b, n), tk[b])
+        assert np.array_equal(_gather(layout, layout.v_blocks, b, n), tv[b])
+
+
+def test_resolve_dense_and_ragged(rng):
+    k = rng.standard_normal((3, 7, 2, 4)).astype(np.float32)
+    layout = resolve_kv(k, k.copy(), batch=3, dtype=F32)
+    assert layout.num_keys.tolist() == [7, 7, 7]
+    assert np.array_equal(_gather(layout, layout.k_blocks, 2, 7), k[2])
+    rows = rng.standard_normal((9, 2, 4)).astype(np.float32)
+    offsets = np.array([0, 4, 4, 9], dtype=np.uint32)
+    layout = resolve_kv(rows, rows, batch=3, dtype=F32, kv_offsets=offsets)
+    assert layout.num_keys.tolist() == [4, 0, 5]
+    assert np.array_equal(_gather(layout, layout.k_blocks, 2, 5), rows[4:9])
+    empty = np.zeros((0, 2, 4), np.float32)
+    layout = resolve_kv(empty, empty, batch=2, dtype=F32, kv_offsets=[0, 0, 0])
+    assert layout.page_size == 1 and layout.num_keys.tolist() == [0, 0]
+
+
+def test_spare_table_entries_may_hold_sentinels(rng):
+    kb, _, _, _, table = make_cache(rng, "paged", [5, 1], 1, 2, np.float32, page_size=4)
+    table[0, 2:] = -7  # unused by a sequence of 5 tokens
+    cache = numattn.PagedKVCache(kb, np.array([5, 1]), table)
+    layout = resolve_kv(cache, cache, batch=2, dtype=F32)
+    assert layout.lookup_table.min() >= 0
+    assert layout.lookup_table.max() < kb.shape[0]
+
+
+def test_paged_index_errors(rng):
+    kb, _, _, _, table = make_cache(rng, "paged", [5, 1], 1, 2, np.float32, page_size=4)
+    bad = table.copy()
+    bad[0, 1] = kb.shape[0]  # used by token 4
+    cache = numattn.PagedKVCache(kb, np.array([5, 1]), bad)
+    with pytest.raises(ValueError, match=r"lookup_table\[0, 1\]"):
+        resolve_kv(cache, cache, batch=2, dtype=F32)
+    bad[0, 1] = -1
+    with pytest.raises(ValueError, match="out of range"):
+        resolve_kv(cache, cache, batch=2, dtype=F32)
+    cache = numattn.PagedKVCache(kb, np.array([5, 1]), table)
+    with pytest.raises(ValueError, match="holds 3 pages of 4"):
+        resolve_kv(cache, cache, batch=2, dtype=F32, kv_lens=np.array([8, 0]))
+    with pytest.raises(ValueError, match="2 sequences"):
+        resolve_kv(cache, cache, batch=3, dtype=F32)
+    with pytest.raises(TypeError, match="queries' dtype float64"):
+        resolve_kv(cache, cache, batch=2, dtype=np.dtype(np.float64))
+
+
+def test_continuous_index_errors(rng):
+    kb, _, _, _, table = make_cache(rng, "continuous", [4, 2], 1, 2, np.float32)
+    cache = numattn.ContinuousBatchingKVCache(kb, np.array([4, 2]), table)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        resolve_kv(cache, cache, batch=2, dtype=F32, kv_lens=np.array([kb.shape[1], 0]))
+    bad = table.copy()
+    bad[1] = kb.shape[0]
+    cache = numattn.ContinuousBatchingKVCache(kb, np.array([4, 2]), bad)
+    with pytest.raises(ValueError, match=r"lookup_table\[1\]"):
+        resolve_kv(cache, cache, batch=2, dtype=F32)
+    # a sequence with no tokens may hold any block index
+    cache = numattn.ContinuousBatchingKVCache(kb, np.array([4, 0]), bad)
+    resolve_kv(cache, cache, batch=2, dtype=F32)
+
+
+def test_k_and_v_must_agree(rng):
+    kb, vb, _, _, table = make_cache(rng, "paged", [5, 1], 1, 2, np.float32)
+    k = numattn.PagedKVCache(kb, np.array([5, 1]), table)
+    v = numattn.PagedKVCache(vb, np.array([4, 1]), table)
+    with pytest.raises(ValueError, match="share cache_lengths"):
+        resolve_kv(k, v, batch=2, dtype=F32)
+    v = numattn.PagedKVCache(vb, np.array([5, 1]), table[::-1].copy())
+    with pytest.raises(ValueError, match="share lookup_table"):
+        resolve_kv(k, v, batch=2, dtype=F32)
+    with pytest.raises(TypeError, match="same kind"):
+        resolve_kv(k, kb, batch=2, dtype=F32)
+    with pytest.raises(ValueError, match="same shape"):
+        resolve_kv(kb, kb[:, :2], batch=2, dtype=F32)
+    dense = rng.standard_normal((2, 3, 1, 2)).astype(np.float32)
+    with pytest.raises(ValueError, match="B=3"):
+        resolve_kv(dense, dense, batch=3, dtype=F32)
+    with pytest.raises(ValueError, match="need row offsets"):
+        resolve_kv(dense[0], dense[0], batch=1, dtype=F32)
+
+
+def test_cache_constructor_checks():
+    blocks = np.zeros((2, 4, 1, 3), np.float32)
+    with pytest.raises(ValueError, match="4-d"):
+        numattn.PagedKVCache(blocks[0], np.array([1]), np.zeros((1, 1), int))
+    with pytest.raises(TypeError, match="float32 or float64"):
+        numattn.PagedKVCache(blocks.astype(np.int32), np.array([1]), np.zeros((1, 1), int))
+    with pytest.raises(ValueError, match=">= 0"):
+        numattn.PagedKVCache(blocks, np.array([-1]), np.zeros((1, 1), int))
+    with pytest.raises(TypeError, match="integer dtype"):
+        numattn.PagedKVCache(blocks, np.array([1.5]), np.zeros((1, 1), int))
+    with pytest.raises(ValueError, match="2-d"):
+        numattn.PagedKVCache(blocks, np.array([1]), np.zeros(1, int))
+    with pytest.raises(ValueError, match="1 sequences"):
+        numattn.ContinuousBatchingKVCache(blocks, np.array([1]), np.zeros(2, int))
+    cache = numattn.PagedKVCache(blocks, np.array([1]), np.zeros((1, 3), int))
+    assert (cache.page_size, cache.capacity, cache.num_kv_heads, cache.head_dim) == (4, 12, 1, 3)
+    assert cache.with_cache_lengths(np.array([2])).cache_lengths.tolist() == [2]
+
+
+@pytest.mark.parametrize("kind", ["continuous", "paged"])
+def test_store_kv_writes_after_cached_tokens(kind, rng):
+    lengths = np.array([3, 0, 6])
+    new = np.array([2, 5, 0])
+    kb, _, tk, _, table = make_cache(rng, kind, lengths + new, 2, 3, np.float32, page_size=4)
+    cls = numattn.PagedKVCache if kind == "paged" else numattn.ContinuousBatchingKVCache
+    cache = cls(kb, lengths, table)
+    rows = np.concatenate([tk[b][lengths[b]:] for b in range(3)]) * 2 + 1
+    offsets = np.concatenate([[0], np.cumsum(new)])
+    assert numattn.store_kv(cache, rows, offsets) is cache
+    layout = resolve_kv(cache, cache, batch=3, dtype=F32, kv_lens=new)
+    for b in range(3):
+        got = _gather(layout, kb, b, int(layout.num_keys[b]))
+        assert np.array_equal(got[: lengths[b]], tk[b][: lengths[b]])
+        assert np.array_equal(got[lengths[b]:], tk[b][lengths[b]:] * 2 + 1)
+    assert cache.cache_lengths.tolist() == [3, 0, 6]
+
+
+def test_store_kv_validates_before_writing(rng):
+    kb, _, _, _, table = make_cache(rng, "paged", [5, 1], 1, 2, np.float32, page_size=4)
+    before = kb.copy()
+    cache = numattn.PagedKVCache(kb, np.array([5, 1]), table)
+    rows = np.ones((9, 1, 2), np.float32)
+    with pytest.raises(ValueError, match="needs 13 tokens"):
+        numattn.store_kv(cache, rows, [0, 8, 9])
+    with pytest.raises(ValueError, match=r"input_row_offsets\[-1\]"):
+        numattn.store_kv(cache, rows, [0, 1, 2])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        numattn.store_kv(cache, rows, [0, 5, 3])
+    with pytest.raises(TypeError, match="dtype float32"):
+        numattn.store_kv(cache, rows.astype(np.float64), [0, 4, 9])
+    with pytest.raises(ValueError, match="Hkv=1, D=2"):
+        numattn.store_kv(cache, np.ones((9, 2, 2), np.float32), [0, 4, 9])
+    with pytest.raises(TypeError, match="cache must be"):
+        numattn.store_kv(kb, rows, [0, 4, 9])
+    assert np.array_equal(kb, before, equal_nan=True)

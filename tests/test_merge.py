@@ -1,0 +1,44 @@
+"""merge_states against the reference, with empty parts and NaN-free -inf handling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numattn
+
+from .utils import assert_close
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_merge_states_matches_reference(dtype, rng):
+    outs = [rng.standard_normal((3, 5, 7)).astype(dtype) for _ in range(4)]
+    lses = [(rng.standard_normal((3, 5)) * 3).astype(dtype) for _ in range(4)]
+    lses[1][0, 0] = -np.inf
+    outs[1][0, 0] = np.nan  # an empty part's output is never read
+    for part in lses:
+        part[2, 4] = -np.inf  # a row empty in every part
+    out, lse = numattn.merge_states(outs, lses)
+    ref_out, ref_lse = numattn.reference.merge_states(
+        [np.where(np.isinf(x)[..., None], 0, o) for o, x in zip(outs, lses)], lses)
+    assert out.dtype == dtype and lse.dtype == dtype
+    assert_close(out, ref_out, dtype)
+    assert_close(lse, ref_lse, dtype)
+    assert np.all(out[2, 4] == 0) and lse[2, 4] == -np.inf
+    stacked = numattn.merge_states(np.stack(outs), np.stack(lses))
+    assert np.array_equal(stacked[0], out)
+
+
+def test_merge_states_errors():
+    o = np.zeros((2, 3), np.float32)
+    x = np.zeros(2, np.float32)
+    with pytest.raises(ValueError, match="at least one"):
+        numattn.merge_states([], [])
+    with pytest.raises(ValueError, match="2 outputs but 1"):
+        numattn.merge_states([o, o], [x])
+    with pytest.raises(TypeError, match="dtype float32"):
+        numattn.merge_states([o, o.astype(np.float64)], [x, x])
+    with pytest.raises(ValueError, match=r"lses\[1\] has shape"):
+        numattn.merge_states([o, o], [x, np.zeros(3, np.float32)])
+    with pytest.raises(TypeError, match="float32 or float64"):
+        numattn.merge_states([o.astype(int)], [x.astype(int)])

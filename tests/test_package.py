@@ -1,0 +1,117 @@
+"""Package-level promises: a light import, lazy CUDA, the write-once binding, PTX compile."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import numattn
+from numattn import _jit
+from numattn._softmax import exp_diff, finish_row, online_update
+
+from .conftest import CUDASIM
+
+
+def test_import_compiles_nothing_and_skips_numba():
+    code = (
+        "import sys, numattn; "
+        "print('numba' in sys.modules, 'numba.cuda' in sys.modules)"
+    )
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, check=True)
+    assert result.stdout.split() == ["False", "False"]
+
+
+def test_public_names():
+    for name in numattn.__all__:
+        assert hasattr(numattn, name), name
+    assert numattn.__version__
+
+
+def _softmax_row(scores, values, sink, has_sink, out):
+    m = sink - sink - math.inf  # -inf of the scores' type
+    l = sink - sink
+    for d in range(out.shape[0]):
+        out[d] = 0.0
+    for j in range(scores.shape[0]):
+        if scores[j] == -math.inf:
+            continue  # a hidden key: its value row is never read (it may hold NaN)
+        m, l, alpha, p = online_update(m, l, scores[j])
+        for d in range(out.shape[0]):
+            out[d] = out[d] * alpha + p * values[j, d]
+    out_scale, lse = finish_row(m, l, sink, has_sink)
+    for d in range(out.shape[0]):
+        out[d] = out[d] * out_scale
+    return lse
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_online_softmax_bodies(dtype, rng):
+    kernel = _jit.cpu_jit(_softmax_row)
+    scores = rng.standard_normal(9).astype(dtype)
+    scores[[2, 5]] = -np.inf
+    values = rng.standard_normal((9, 4)).astype(dtype)
+    values[2] = np.nan  # hidden key: must not leak
+    for sink, has_sink in [(dtype(0.7), True), (dtype(0), False)]:
+        out = np.empty(4, dtype)
+        lse = kernel(scores, values, sink, has_sink, out)
+        vis = np.isfinite(scores)
+        big = max(scores[vis].max(), sink) if has_sink else scores[vis].max()
+        w = np.exp(scores[vis].astype(np.float64) - big)
+        denom = w.sum() + (np.exp(sink - big) if has_sink else 0)
+        expected = w @ values[vis] / denom
+        assert np.allclose(out, expected, rtol=1e-5)
+        assert np.isclose(lse, big + np.log(denom), rtol=1e-5)
+    # all hidden: 0 and -inf; with a sink: 0 and the sink
+    hidden = np.full(3, -np.inf, dtype)
+    out = np.empty(4, dtype)
+    assert kernel(hidden, values[:3], dtype(0), False, out) == -np.inf and np.all(out == 0)
+    assert kernel(hidden, values[:3], dtype(1.5), True, out) == 1.5 and np.all(out == 0)
+
+
+def test_exp_diff_is_exact_for_empty_states():
+    assert exp_diff(-math.inf, -math.inf) == 0.0
+    assert exp_diff(-math.inf, 3.0) == 0.0
+    assert exp_diff(2.0, 2.0) == 1.0
+
+
+def test_cpu_binding_is_cached_and_prange_is_bound():
+    f = _jit.cpu_jit(_softmax_row)
+    assert _jit.cpu_jit(_softmax_row) is f
+    assert f.py_func is not _softmax_row
+    assert _jit.prange is range
+
+
+def test_trivial_cuda_kernel_with_shared_body_compiles_to_ptx(ptx_compiler):
+    from numba import types
+
+    ptx = ptx_compiler(_trivial_cuda_kernel, (types.float32[:], types.float32[:]))
+    assert "ex2.approx" in ptx or "exp" in ptx.lower()
+
+
+def _trivial_cuda_kernel(x, y):
+    i = cuda.grid(1)  # noqa: F821 - bound by cuda_kernel / cuda_source
+    if i < x.shape[0]:
+        y[i] = exp_diff(x[i], x[0])
+
+
+@pytest.mark.skipif(CUDASIM, reason="checks the error raised where there is no GPU")
+def test_cuda_request_without_gpu_is_a_clear_error():
+    from numattn._cuda import CudaUnavailableError, require_cuda
+
+    try:
+        from numba import cuda
+
+        if cuda.is_available():
+            pytest.skip("a GPU is present")
+    except ImportError:
+        pass
+    with pytest.raises(CudaUnavailableError, match="no CUDA GPU"):
+        require_cuda()
