@@ -10,6 +10,9 @@ Importing numattn compiles nothing and does not import ``numba.cuda``.
 
 from . import reference
 from .config import MHAConfig
+from .cross import cross_attention
+from .decode import decode_attention
+from .flash import flash_attention_kv_cache
 from .kv_cache import ContinuousBatchingKVCache, PagedKVCache, store_kv
 from .masks import (
     AndMask,
@@ -39,6 +42,9 @@ __all__ = [
     "OrMask",
     "PagedKVCache",
     "SlidingWindowCausalMask",
+    "cross_attention",
+    "decode_attention",
+    "flash_attention_kv_cache",
     "merge_states",
     "reference",
     "store_kv",

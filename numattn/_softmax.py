@@ -48,13 +48,13 @@ def finish_row(m, l, sink, has_sink):
 
     With a sink logit ``sigma`` the denominator gains ``e^(sigma - M)`` with
     ``M = max(m, sigma)``, exactly once.  A row with no visible key gives ``out_scale = 0``
-    and ``lse = -inf`` (``sigma`` with a sink), never NaN.
+    and ``lse = -inf`` (``sigma`` with a sink; a ``-inf`` sink is no sink), never NaN.
 
     Returns
     -------
     out_scale, lse : float
     """
-    if has_sink:
+    if has_sink and not (m == -math.inf and sink == -math.inf):
         big = max(m, sink)
         w = exp_diff(m, big)
         denom = l * w + math.exp(sink - big)

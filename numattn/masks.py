@@ -257,6 +257,11 @@ class SlidingWindowCausalMask(Mask):
 class ChunkedMask(Mask):
     """Keys in the same ``chunk``-aligned chunk as the query: ``q // chunk == k // chunk``.
 
+    Parameters
+    ----------
+    chunk : int
+        Chunk length (>= 1); chunks start at positions that are multiples of it.
+
     Examples
     --------
     >>> from numattn import ChunkedMask
@@ -279,6 +284,11 @@ class ChunkedMask(Mask):
 @dataclass(frozen=True)
 class ChunkedCausalMask(Mask):
     """Causal within the query's chunk: ``k <= q`` and ``q // chunk == k // chunk``.
+
+    Parameters
+    ----------
+    chunk : int
+        Chunk length (>= 1).
 
     Examples
     --------
@@ -311,6 +321,11 @@ class MaterializedMask(Mask):
     mask may be combined with ``&`` (the pairs that the other masks hide stay hidden) but
     not with ``|``.
 
+    Parameters
+    ----------
+    tensor : ndarray
+        The additive tensor, ``[S, N]``, ``[B, S, N]`` or ``[B, H, S, N]``.
+
     Examples
     --------
     >>> import numpy as np
@@ -342,7 +357,13 @@ class MaterializedMask(Mask):
 
 @dataclass(frozen=True, eq=False)
 class AndMask(Mask):
-    """Visible iff visible under both ``left`` and ``right`` (``left & right``)."""
+    """Visible iff visible under both ``left`` and ``right`` (``left & right``).
+
+    Parameters
+    ----------
+    left, right : Mask
+        The combined masks.
+    """
 
     left: Mask
     right: Mask
@@ -356,7 +377,13 @@ class AndMask(Mask):
 
 @dataclass(frozen=True, eq=False)
 class OrMask(Mask):
-    """Visible iff visible under ``left`` or ``right`` (``left | right``)."""
+    """Visible iff visible under ``left`` or ``right`` (``left | right``).
+
+    Parameters
+    ----------
+    left, right : Mask
+        The combined masks.
+    """
 
     left: Mask
     right: Mask

@@ -82,6 +82,8 @@ def _attend(q, keys, values, q_pos, rows, b, mask, scale, sink_weights):
             if s.size == 0 and sink is None:
                 continue
             m = max(s.max() if s.size else -np.inf, -np.inf if sink is None else sink)
+            if m == -np.inf:
+                continue  # nothing visible and a -inf sink: 0 and -inf
             p = np.exp(s - m)
             denom = p.sum() + (0.0 if sink is None else np.exp(sink - m))
             out[i, head] = (p @ values[sel, kv, :]) / denom
@@ -102,6 +104,28 @@ def _cache_lengths(k, batch):
 def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=None,
                              kv_input_row_offsets=None, sink_weights=None, return_lse=False):
     """Reference for :func:`numattn.flash_attention_kv_cache` (float64 results).
+
+    Parameters
+    ----------
+    q : ndarray
+        Padded ``[B, S, H, D]`` or ragged ``[T, H, D]`` queries.
+    k, v : ndarray or cache
+        Dense ``[B, N, Hkv, D]``, ragged ``[T_kv, Hkv, D]``, or cache objects.
+    mask : Mask, ndarray or None
+        A mask object, an additive tensor, or None (no mask).
+    scale : float, optional
+        Score scale; ``None`` means ``1 / sqrt(D)``.
+    q_input_row_offsets, kv_input_row_offsets : int arrays [B + 1], optional
+        Ragged splits of the queries and of plain K/V rows.
+    sink_weights : ndarray [H], optional
+        One sink logit per query head.
+    return_lse : bool
+        Also return the log-sum-exp.
+
+    Returns
+    -------
+    out : ndarray of float64, shaped like ``q``
+    lse : ndarray of float64, ``[B, S, H]`` or ``[T, H]`` (with ``return_lse``)
 
     Examples
     --------
@@ -148,6 +172,26 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
 def decode_attention(q, k, v, mask=None, scale=None, *, sink_weights=None, return_lse=False):
     """Reference for :func:`numattn.decode_attention`: ``q [B, H, D]``, one token each.
 
+    Parameters
+    ----------
+    q : ndarray [B, H, D]
+        One query per sequence, at position ``num_keys - 1``.
+    k, v : ndarray [B, N, Hkv, D] or cache
+        Dense keys/values or caches (``num_keys = cache_len + 1``).
+    mask : Mask, ndarray or None
+        A mask object, an additive tensor, or None (no mask).
+    scale : float, optional
+        Score scale; ``None`` means ``1 / sqrt(D)``.
+    sink_weights : ndarray [H], optional
+        One sink logit per query head.
+    return_lse : bool
+        Also return the log-sum-exp.
+
+    Returns
+    -------
+    out : ndarray of float64 [B, H, D]
+    lse : ndarray of float64 [B, H] (with ``return_lse``)
+
     Examples
     --------
     >>> import numpy as np
@@ -176,6 +220,30 @@ def decode_attention(q, k, v, mask=None, scale=None, *, sink_weights=None, retur
 def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_offsets,
                     mask=None, scale=None, *, return_lse=False):
     """Reference for :func:`numattn.cross_attention`: queries at ``q_idx = r``.
+
+    Parameters
+    ----------
+    q : ndarray [T, H, D]
+        Ragged queries.
+    q_input_row_offsets : int array [B + 1]
+        Ragged split of the queries.
+    q_max_seq_len : int
+        Longest query sequence (rows of a padded additive mask).
+    k, v : ndarray [T_kv, Hkv, D] or cache
+        Ragged new K/V rows or caches (``num_keys = cache_len + kv_len``).
+    kv_input_row_offsets : int array [B + 1]
+        Ragged split of the new K/V rows.
+    mask : Mask, ndarray or None
+        A mask object (``q_idx = r``), an additive tensor, or None (no mask).
+    scale : float, optional
+        Score scale; ``None`` means ``1 / sqrt(D)``.
+    return_lse : bool
+        Also return the log-sum-exp.
+
+    Returns
+    -------
+    out : ndarray of float64 [T, H, D]
+    lse : ndarray of float64 [T, H] (with ``return_lse``)
 
     Examples
     --------
@@ -207,8 +275,17 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
 def merge_states(outs, lses):
     """Reference for :func:`numattn.merge_states` (float64).
 
-    ``outs`` is a sequence of ``[..., D]`` partial outputs over disjoint key sets and
-    ``lses`` their ``[...]`` log-sum-exps; returns ``(out, lse)`` over the union.
+    Parameters
+    ----------
+    outs : sequence of ndarray [..., D]
+        Partial outputs over disjoint key sets.
+    lses : sequence of ndarray [...]
+        Their log-sum-exps.
+
+    Returns
+    -------
+    out : ndarray of float64 [..., D]
+    lse : ndarray of float64 [...]
 
     Examples
     --------

@@ -23,11 +23,21 @@ def cuda_runnable() -> bool:
     return _cuda.is_available()
 
 
-#: CUDA semantics tests: they run under the simulator (tox -e cudasim) or on a GPU.
-requires_cuda = pytest.mark.skipif(
-    not cuda_runnable(),
-    reason="needs a CUDA GPU or the CUDA simulator (tox -e cudasim runs these)",
-)
+_REQUIRES_CUDA_REASON = "needs a CUDA GPU or the CUDA simulator (tox -e cudasim runs these)"
+
+#: CUDA semantics tests: they run under the simulator (tox -e cudasim) or on a GPU.  Tests
+#: carrying it (and PTX tests using ``ptx_compiler``) also get the ``cuda`` marker, which is
+#: what ``tox -e cudasim`` selects.
+requires_cuda = pytest.mark.skipif(not cuda_runnable(), reason=_REQUIRES_CUDA_REASON)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        skips = item.iter_markers("skipif")
+        if any(m.kwargs.get("reason") == _REQUIRES_CUDA_REASON for m in skips):
+            item.add_marker(pytest.mark.cuda)
+        elif "ptx_compiler" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ptx)
 
 
 def _nvvm_available() -> bool:

@@ -36,8 +36,8 @@ def test_public_names():
 
 
 def _softmax_row(scores, values, sink, has_sink, out):
-    m = sink - sink - math.inf  # -inf of the scores' type
-    l = sink - sink
+    m = -math.inf
+    l = 0.0
     for d in range(out.shape[0]):
         out[d] = 0.0
     for j in range(scores.shape[0]):
@@ -74,6 +74,8 @@ def test_online_softmax_bodies(dtype, rng):
     out = np.empty(4, dtype)
     assert kernel(hidden, values[:3], dtype(0), False, out) == -np.inf and np.all(out == 0)
     assert kernel(hidden, values[:3], dtype(1.5), True, out) == 1.5 and np.all(out == 0)
+    assert kernel(hidden, values[:3], dtype(-np.inf), True, out) == -np.inf
+    assert np.all(out == 0)
 
 
 def test_exp_diff_is_exact_for_empty_states():

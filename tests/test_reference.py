@@ -66,6 +66,9 @@ def test_fully_masked_rows_give_zero_and_minus_inf(rng):
     out, lse = reference.flash_attention_kv_cache(q, kv, kv, bias, sink_weights=sinks,
                                                   return_lse=True)
     assert np.all(out[0, 1] == 0) and np.array_equal(lse[0, 1], sinks)
+    out, lse = reference.flash_attention_kv_cache(q, kv, kv, bias, sink_weights=np.full(2, -np.inf),
+                                                  return_lse=True)
+    assert np.all(out[0, 1] == 0) and np.all(lse[0, 1] == -np.inf)
 
 
 def test_nan_in_unused_and_hidden_slots_never_reaches_output(rng):

@@ -1,0 +1,107 @@
+"""Benchmark of ``decode_attention`` on the CPU against the machine's read bandwidth and torch.
+
+Run ``python benchmarks/bench_decode.py`` (``--repeat N`` for more repeats).  For each case it
+prints the median time of numattn (paged cache, pages of 128) and of PyTorch's CPU
+``scaled_dot_product_attention`` (q of length 1, ``enable_gqa=True``, dense K/V), the KV bytes
+per second (the K and V rows of the live cache, each read once), the fraction of the read
+bandwidth measured in the same run, and the speed ratio against torch.  The targets of the
+decode issue are >= 80% of the read bandwidth and >= 1.5x torch for the first case, and the
+same bandwidth for the long single sequence (split-K keeps every core busy).
+
+The machine may be shared: every figure is a median of several repeats; the spread of
+numattn's repeats is printed too, as the noise to read the figures against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
+
+import numattn
+from numattn.bench import read_bandwidth_gbs, torch_or_none
+from numattn.decode import decode_attention
+
+CASES = [
+    # (label, B, H, Hkv, N, D)
+    ("B=8 N=4096", 8, 32, 8, 4096, 128),
+    ("B=1 N=32768", 1, 32, 8, 32768, 128),
+]
+PAGE_SIZE = 128
+
+
+def paged_problem(rng, batch, num_heads, num_kv_heads, num_keys, head_dim, dtype):
+    """q, paged K/V caches holding ``num_keys`` tokens per sequence (shuffled pages), and
+    the same keys and values as dense ``[B, Hkv, N, D]`` arrays for torch."""
+    pages_per_seq = -(-num_keys // PAGE_SIZE)
+    num_pages = batch * pages_per_seq
+    shape = (num_pages, PAGE_SIZE, num_kv_heads, head_dim)
+    k_pages = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+    v_pages = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+    table = rng.permutation(num_pages).reshape(batch, pages_per_seq)
+    lengths = np.full(batch, num_keys - 1)  # the new token is the last of the num_keys
+    k = numattn.PagedKVCache(k_pages, lengths, table)
+    v = numattn.PagedKVCache(v_pages, lengths, table)
+    q = rng.standard_normal((batch, num_heads, head_dim), dtype=np.float32).astype(dtype)
+
+    def dense(pages):
+        rows = pages[table].reshape(batch, pages_per_seq * PAGE_SIZE, num_kv_heads, head_dim)
+        return np.ascontiguousarray(rows[:, :num_keys].transpose(0, 2, 1, 3))
+
+    return q, k, v, dense(k_pages), dense(v_pages)
+
+
+def timed(fn, repeat):
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times), max(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    args = parser.parse_args(argv)
+    dtype = np.dtype(args.dtype)
+    rng = np.random.default_rng(0)
+    torch = torch_or_none()
+    bandwidth = read_bandwidth_gbs()
+    print(f"read bandwidth (2 threads, median): {bandwidth:.1f} GB/s; dtype {dtype}; "
+          f"torch {'yes' if torch is not None else 'no'}")
+    header = (f"{'case':<14}{'numattn ms':>11}{'(min..max)':>16}{'GB/s':>7}{'of bw':>7}"
+              f"{'torch ms':>10}{'GB/s':>7}{'speedup':>9}")
+    print(header)
+    for label, batch, heads, kv_heads, num_keys, head_dim in CASES:
+        q, k, v, k_dense, v_dense = paged_problem(rng, batch, heads, kv_heads, num_keys,
+                                                  head_dim, dtype)
+        out = np.empty(q.shape, dtype)
+        kv_bytes = 2 * batch * num_keys * kv_heads * head_dim * dtype.itemsize
+        med, lo, hi = timed(lambda: decode_attention(q, k, v, out=out), args.repeat)  # noqa: B023
+        gbs = kv_bytes / med / 1e9
+        line = (f"{label:<14}{med * 1e3:>11.2f}{f'({lo * 1e3:.1f}..{hi * 1e3:.1f})':>16}"
+                f"{gbs:>7.1f}{gbs / bandwidth:>7.0%}")
+        if torch is not None:
+            tq = torch.from_numpy(q[:, :, None, :])
+            tk = torch.from_numpy(k_dense)
+            tv = torch.from_numpy(v_dense)
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            with torch.inference_mode():
+                t_med, _, _ = timed(lambda: sdpa(tq, tk, tv, enable_gqa=True),  # noqa: B023
+                                    args.repeat)
+            line += (f"{t_med * 1e3:>10.2f}{kv_bytes / t_med / 1e9:>7.1f}"
+                     f"{t_med / med:>8.2f}x")
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,387 @@
+"""``python -m numattn bench``: the kernel issues' benchmark shapes, against this machine.
+
+Each case times numattn (median of several runs, after a warm-up that compiles) and, in
+the same run, a baseline: PyTorch's CPU ``scaled_dot_product_attention`` when torch is
+installed (``pip install numattn[bench]``), NumPy otherwise.  Figures are reported as
+useful GFLOP/s (attention FLOPs over visible pairs only) or GB/s (K/V bytes of the live
+cache, read once), as fractions of this machine's own limits measured in the same run
+(float32 GEMM rate of the BLAS NumPy uses, two-thread memory read bandwidth), and as the
+ratio ``baseline time / numattn time`` (above 1: numattn is faster).
+
+The machine is shared and noisy: compare ratios and medians, not single runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+__all__ = [
+    "BenchResult",
+    "gemm_gflops",
+    "median_time",
+    "read_bandwidth_gbs",
+    "run_bench",
+    "torch_or_none",
+]
+
+
+# --------------------------------------------------------------------------------------
+# Machine limits and timing.
+# --------------------------------------------------------------------------------------
+def median_time(fn, *, repeat=5, warmup=1):
+    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+@functools.cache
+def gemm_gflops(dtype=np.float32, n=2048, repeat=5):
+    """GEMM rate (GFLOP/s) of the BLAS behind NumPy on all cores, ``n x n x n`` products."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n)).astype(dtype)
+    b = rng.standard_normal((n, n)).astype(dtype)
+    c = np.empty((n, n), dtype)
+    t = median_time(lambda: np.matmul(a, b, out=c), repeat=repeat)
+    return 2.0 * n**3 / t / 1e9
+
+
+@functools.cache
+def read_bandwidth_gbs(megabytes=512, repeat=5, threads=None):
+    """Memory read bandwidth (GB/s): one thread per core sums its slice of a large array.
+
+    NumPy's ``sum`` releases the GIL and streams at the core's full read rate, so the
+    threads together measure what all cores can read.
+    """
+    threads = threads or os.cpu_count() or 1
+    data = np.ones(megabytes * 2**20 // 8, dtype=np.float64)
+    parts = np.array_split(data, threads)
+
+    def read_all():
+        workers = [threading.Thread(target=np.sum, args=(part,)) for part in parts]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+
+    t = median_time(read_all, repeat=repeat)
+    return data.nbytes / t / 1e9
+
+
+def torch_or_none():
+    """``torch`` (using every core) when it is installed, else ``None``."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(os.cpu_count() or 1)
+    return torch
+
+
+# --------------------------------------------------------------------------------------
+# Cases.
+# --------------------------------------------------------------------------------------
+@dataclass
+class BenchResult:
+    """One row of the benchmark table."""
+
+    name: str
+    seconds: float
+    metric: str  # "GFLOP/s" or "GB/s"
+    rate: float
+    fraction_of_limit: float
+    baseline: str
+    baseline_seconds: float | None
+    note: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        """Baseline time over numattn time (above 1: numattn is faster)."""
+        if self.baseline_seconds is None:
+            return None
+        return self.baseline_seconds / self.seconds
+
+
+def _attention_flops(num_heads, head_dim, visible_pairs):
+    return 4.0 * num_heads * head_dim * visible_pairs
+
+
+def _causal_pairs(q_len, num_keys, window=None):
+    q_idx = np.arange(num_keys - q_len, num_keys)
+    lo = np.zeros_like(q_idx) if window is None else np.maximum(q_idx - window + 1, 0)
+    return int(np.sum(q_idx - lo + 1))
+
+
+def _paged_copy(rng, rows, page_size, dtype=np.float32):
+    """K and V paged caches (pages shuffled) holding ``rows[b]`` = [n_b, Hkv, D] each."""
+    from .kv_cache import PagedKVCache
+
+    hkv, d = rows[0][0].shape[1:]
+    pages_per_seq = [-(-r[0].shape[0] // page_size) for r in rows]
+    num_pages = sum(pages_per_seq)
+    order = rng.permutation(num_pages)
+    table = np.zeros((len(rows), max(pages_per_seq)), dtype=np.int64)
+    kb = np.zeros((num_pages, page_size, hkv, d), dtype)
+    vb = np.zeros_like(kb)
+    used = 0
+    for b, (k, v) in enumerate(rows):
+        n = k.shape[0]
+        table[b, : pages_per_seq[b]] = order[used : used + pages_per_seq[b]]
+        used += pages_per_seq[b]
+        t = np.arange(n)
+        kb[table[b, t // page_size], t % page_size] = k
+        vb[table[b, t // page_size], t % page_size] = v
+    return kb, vb, table, PagedKVCache
+
+
+def _numpy_attention(q, k, v, causal):
+    """Baseline without torch: per-head NumPy attention with a full score matrix (BHSD)."""
+    b, h, s, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    out = np.empty_like(q)
+    allowed = np.tril(np.ones((s, n), bool), k=n - s) if causal else None
+    for i in range(b):
+        for j in range(h):
+            scores = (q[i, j] @ k[i, j // (h // hkv)].T) / np.sqrt(d)
+            if allowed is not None:
+                scores = np.where(allowed, scores, -np.inf)
+            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            out[i, j] = (scores / scores.sum(axis=-1, keepdims=True)) @ v[i, j // (h // hkv)]
+    return out
+
+
+def _baseline(torch, q_bhsd, k_bhsd, v_bhsd, *, causal=False, mask=None):
+    """A callable running the baseline on BHSD copies made here, outside the timing."""
+    if torch is not None:
+        qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(x)) for x in (q_bhsd, k_bhsd, v_bhsd))
+        mt = None if mask is None else torch.from_numpy(mask)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def run():
+            with torch.no_grad():
+                return sdpa(qt, kt, vt, attn_mask=mt, is_causal=causal and mt is None,
+                            enable_gqa=True)
+
+        return "torch SDPA", run
+    return "NumPy", lambda: _numpy_attention(q_bhsd, k_bhsd, v_bhsd, causal)
+
+
+def _cases(quick):
+    """(name, builder) pairs; a builder returns (numattn fn, baseline (name, fn) or None,
+    work, metric, note)."""
+    import numattn
+
+    rng = np.random.default_rng(0)
+    f32 = np.float32
+
+    def prefill(s, window=None, baseline=True):
+        def build(torch):
+            h, hkv, d = (32, 8, 128) if not quick else (8, 2, 64)
+            q = rng.standard_normal((1, s, h, d)).astype(f32)
+            k = rng.standard_normal((1, s, hkv, d)).astype(f32)
+            v = rng.standard_normal((1, s, hkv, d)).astype(f32)
+            mask = numattn.CausalMask() if window is None else numattn.SlidingWindowCausalMask(
+                window)
+            out = np.empty_like(q)
+            fn = lambda: numattn.flash_attention_kv_cache(q, k, v, mask, out=out)  # noqa: E731
+            flops = _attention_flops(h, d, _causal_pairs(s, s, window))
+            base = None
+            if baseline:
+                bool_mask = None
+                if window is not None:
+                    i = np.arange(s)
+                    bool_mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+                base = _baseline(torch, q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
+                                 v.transpose(0, 2, 1, 3), causal=True, mask=bool_mask)
+            return fn, base, flops, "GFLOP/s", f"B=1 H={h} Hkv={hkv} S={s} D={d}"
+        return build
+
+    def ragged_paged(torch):
+        h, hkv, d = (32, 8, 128) if not quick else (8, 2, 64)
+        lengths = np.linspace(64, 1024 if not quick else 256, 8).astype(int)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        q = rng.standard_normal((offsets[-1], h, d)).astype(f32)
+        rows = [(rng.standard_normal((n, hkv, d)).astype(f32),
+                 rng.standard_normal((n, hkv, d)).astype(f32)) for n in lengths]
+        kb, vb, table, cls = _paged_copy(rng, rows, 128)
+        zeros = np.zeros(len(lengths), np.int64)
+        k, v = cls(kb, zeros, table), cls(vb, zeros, table)
+        out = np.empty_like(q)
+        fn = lambda: numattn.flash_attention_kv_cache(  # noqa: E731
+            q, k, v, numattn.CausalMask(), q_input_row_offsets=offsets, out=out)
+        flops = sum(_attention_flops(h, d, _causal_pairs(n, n)) for n in lengths)
+        base = None
+        if torch is not None:
+            per_seq = [_baseline(torch, q[a:b][None].transpose(0, 2, 1, 3),
+                                 rows[i][0][None].transpose(0, 2, 1, 3),
+                                 rows[i][1][None].transpose(0, 2, 1, 3), causal=True)[1]
+                       for i, (a, b) in enumerate(itertools.pairwise(offsets))]
+            base = ("torch SDPA per sequence", lambda: [f() for f in per_seq])
+        return fn, base, flops, "GFLOP/s", f"8 seqs {lengths[0]}..{lengths[-1]}, pages of 128"
+
+    def decode(batch, n):
+        def build(torch):
+            h, hkv, d = (32, 8, 128) if not quick else (8, 2, 64)
+            q = rng.standard_normal((batch, h, d)).astype(f32)
+            rows = [(rng.standard_normal((n, hkv, d)).astype(f32),
+                     rng.standard_normal((n, hkv, d)).astype(f32)) for _ in range(batch)]
+            kb, vb, table, cls = _paged_copy(rng, rows, 128)
+            lengths = np.full(batch, n - 1, np.int64)
+            k, v = cls(kb, lengths, table), cls(vb, lengths, table)
+            out = np.empty_like(q)
+            fn = lambda: numattn.decode_attention(q, k, v, out=out)  # noqa: E731
+            bytes_read = 2.0 * batch * n * hkv * d * 4
+            kd = np.stack([r[0] for r in rows]).transpose(0, 2, 1, 3)
+            vd = np.stack([r[1] for r in rows]).transpose(0, 2, 1, 3)
+            base = _baseline(torch, q[:, :, None, :], kd, vd)
+            return fn, base, bytes_read, "GB/s", f"B={batch} H={h} Hkv={hkv} N={n} D={d} paged 128"
+        return build
+
+    def cross(torch):
+        h, hkv, d = 16, 4, 64
+        nq, nk, batch = (128, 1500, 8) if not quick else (64, 500, 4)
+        q = rng.standard_normal((batch * nq, h, d)).astype(f32)
+        k = rng.standard_normal((batch * nk, hkv, d)).astype(f32)
+        v = rng.standard_normal((batch * nk, hkv, d)).astype(f32)
+        qo = np.arange(batch + 1) * nq
+        ko = np.arange(batch + 1) * nk
+        out = np.empty_like(q)
+        fn = lambda: numattn.cross_attention(q, qo, nq, k, v, ko, out=out)  # noqa: E731
+        flops = batch * _attention_flops(h, d, nq * nk)
+        keep = np.ones((batch, 1, nq, nk), bool)  # padded batch with a boolean mask
+        base = _baseline(torch, q.reshape(batch, nq, h, d).transpose(0, 2, 1, 3),
+                         k.reshape(batch, nk, hkv, d).transpose(0, 2, 1, 3),
+                         v.reshape(batch, nk, hkv, d).transpose(0, 2, 1, 3),
+                         mask=keep if torch is not None else None)
+        return fn, base, flops, "GFLOP/s", f"{batch} x {nq} queries, {nk} keys, H=16 Hkv=4 D=64"
+
+    s = 2048 if not quick else 512
+    long_s = 8192 if not quick else 2048
+    return [
+        ("flash prefill causal", prefill(s)),
+        ("flash ragged paged causal", ragged_paged),
+        (f"flash causal S={long_s}", prefill(long_s, baseline=False)),
+        (f"flash sliding window 512 S={long_s}", prefill(long_s, window=512, baseline=False)),
+        ("decode B=8 N=4096" if not quick else "decode B=8 N=1024",
+         decode(8, 4096 if not quick else 1024)),
+        ("decode B=1 N=32768" if not quick else "decode B=1 N=8192",
+         decode(1, 32768 if not quick else 8192)),
+        ("cross ragged", cross),
+    ]
+
+
+def run_bench(*, quick=False, only=None, repeat=None, progress=None):
+    """Run the benchmark cases and measure this machine's limits in the same run.
+
+    Parameters
+    ----------
+    quick : bool
+        Smaller shapes and fewer repeats (under a minute).
+    only : list of str, optional
+        Keep the cases whose name contains one of these strings.
+    repeat : int, optional
+        Timed runs per case (the median is reported).
+    progress : callable, optional
+        Called as ``progress(done, total, case_name)``.
+
+    Returns
+    -------
+    limits : dict
+        ``gemm_gflops``, ``read_gbs``, ``cores`` and the torch version (or None).
+    results : list of BenchResult
+    """
+    torch = torch_or_none()
+    repeat = repeat or (2 if quick else 5)
+    limits = {
+        "gemm_gflops": gemm_gflops(np.float32, 1024 if quick else 2048, repeat=3),
+        "read_gbs": read_bandwidth_gbs(128 if quick else 512, repeat=3),
+        "cores": os.cpu_count(),
+        "torch": None if torch is None else torch.__version__,
+    }
+    cases = [(n, b) for n, b in _cases(quick) if not only or any(o in n for o in only)]
+    results = []
+    for i, (name, build) in enumerate(cases):
+        if progress is not None:
+            progress(i, len(cases), name)
+        fn, base, work, metric, note = build(torch)
+        t = median_time(fn, repeat=repeat)
+        base_name, base_t = "-", None
+        if base is not None:
+            base_name, base_fn = base
+            base_t = median_time(base_fn, repeat=repeat)
+        rate = work / t / 1e9
+        limit = limits["gemm_gflops"] if metric == "GFLOP/s" else limits["read_gbs"]
+        results.append(BenchResult(name, t, metric, rate, rate / limit, base_name, base_t, note))
+    if progress is not None:
+        progress(len(cases), len(cases), "done")
+    return limits, results
+
+
+def _plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(results)))
+    names = [r.name for r in results]
+    fractions = [100 * r.fraction_of_limit for r in results]
+    bars = ax.barh(names, fractions, color="#3b6ea8")
+    for bar, r in zip(bars, results):
+        label = f"{r.rate:.0f} {r.metric}"
+        if r.speedup is not None:
+            label += f", {r.speedup:.2f}x {r.baseline}"
+        ax.text(bar.get_width() + 1, bar.get_y() + bar.get_height() / 2, label, va="center",
+                fontsize=8)
+    ax.set_xlabel("% of this machine's limit (GEMM rate or read bandwidth)")
+    ax.set_xlim(0, 140)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args) -> int:
+    def progress(done, total, name):
+        if sys.stderr.isatty():
+            bar = "#" * (30 * done // max(total, 1))
+            print(f"\r[{bar:<30}] {done}/{total} {name:<40}", end="", file=sys.stderr,
+                  flush=True)
+            if done == total:
+                print(file=sys.stderr)
+
+    limits, results = run_bench(quick=args.quick, only=args.only, repeat=args.repeat,
+                                progress=progress)
+    print(f"machine: {limits['cores']} cores, float32 GEMM {limits['gemm_gflops']:.0f} GFLOP/s, "
+          f"read bandwidth {limits['read_gbs']:.1f} GB/s, torch {limits['torch'] or 'absent'}")
+    header = (f"{'case':<34} {'median ms':>10} {'rate':>14} {'of limit':>9} "
+              f"{'baseline':>24} {'speedup':>8}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        speed = "-" if r.speedup is None else f"{r.speedup:.2f}x"
+        print(f"{r.name:<34} {r.seconds * 1e3:>10.2f} {r.rate:>8.1f} {r.metric:<5} "
+              f"{100 * r.fraction_of_limit:>8.0f}% {r.baseline:>24} {speed:>8}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"limits": limits,
+                       "results": [dict(asdict(r), speedup=r.speedup) for r in results]},
+                      fh, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot:
+        _plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0

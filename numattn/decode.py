@@ -1,0 +1,750 @@
+"""``decode_attention``: one new query token per sequence against its KV cache, with split-K.
+
+Token generation attends one query per sequence to a long cache, so the cost is reading the
+K and V rows of the live cache once; the arithmetic is light.  The keys of each sequence are
+cut into ``num_partitions`` spans aligned to ``config.block_k`` (split-K, "flash-decoding"):
+
+* every (sequence, partition) computes a partial softmax state ``(m, l, acc)`` per query
+  head (``m`` the largest visible score, ``l = sum e^(s - m)``, ``acc = sum e^(s - m) v``,
+  all in base e), walking its keys in tiles of ``block_k``: a tile the mask hides entirely
+  is skipped without loading a row, a tile it leaves whole needs no per-key test;
+* a reduction merges the partitions of each (sequence, head) exactly, skipping empty ones,
+  and closes the row with the sink logit counted once (:func:`numattn._softmax.finish_row`).
+
+GQA: each K/V row is read once per KV head and serves all ``group`` query heads of that
+head (the scores are a matrix-vector product, the output a vector-matrix product).
+
+The math is written once as plain bodies (tile status and key visibility from
+:mod:`numattn.masks`, :func:`partition_bounds`, :func:`key_bias`, :func:`rescale_state`,
+:func:`numattn._softmax.exp_diff`, :func:`reduce_row`) shared by two drivers:
+
+* CPU (``njit(parallel=True)``): one work item per (sequence, partition) over *all* heads, so
+  each token's contiguous ``[Hkv, D]`` row is read in one sweep (the layout of every cache);
+  ``prange`` over work items, then a parallel reduction over (sequence, head) rows.
+* CUDA: one block per (partition, KV head, sequence); threads split each tile's keys and the
+  head dimension, with shared-memory reductions for the dot products and the tile max and
+  sum; then a reduction kernel with one block per (sequence, head), threads over D.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from ._cuda import is_device_array, require_cuda, resolve_device
+from ._jit import body, cpu_jit, cuda_kernel, prange
+from ._softmax import exp_diff, finish_row, merge_weight
+from ._validate import (
+    check_array,
+    check_float_dtype,
+    check_heads,
+    check_out,
+    check_scale,
+    check_sink_weights,
+    shape_of,
+)
+from .config import MHAConfig, resolve_config
+from .kv_cache import KVCache, KVLayout, kv_page_slot, resolve_kv
+from .masks import (
+    TILE_FULL,
+    TILE_NONE,
+    NullMask,
+    additive_4d,
+    compile_mask,
+    mask_tile_status,
+    mask_visible,
+)
+
+__all__ = ["decode_attention"]
+
+#: The default mask (a frozen dataclass, safe to share).
+NO_MASK = NullMask()
+
+#: CUDA: threads that split the head dimension of one key's dot product (the rest of the
+#: block's threads take different keys), and the largest key tile one block holds.
+CUDA_DOT_LANES = 8
+CUDA_MAX_TILE = 1024
+#: CUDA: dynamic shared memory one block may use without an opt-in.
+CUDA_SHARED_BYTES = 48 * 1024
+#: Automatic split-K: aim for this many work items per CPU thread / blocks per SM, and keep
+#: partitions at least this many tiles long.
+ITEMS_PER_WORKER = 4
+MIN_TILES_PER_PARTITION = 4
+MAX_AUTO_PARTITIONS = 64
+
+
+def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
+                     num_partitions=None, device="auto", out=None, return_lse=False,
+                     config=None):
+    """Attention of one new query token per sequence over its KV cache (split-K).
+
+    The new token's K and V rows are already in the cache, so sequence ``b`` attends over
+    ``num_keys = cache_lengths[b] + 1`` keys (``N`` for dense arrays) and its query sits at
+    position ``q_idx = num_keys - 1`` for the mask.
+
+    Parameters
+    ----------
+    q : ndarray, shape [B, H, D]
+        The queries, float32 or float64 (a CUDA device array with ``device="cuda"``).
+    k, v : PagedKVCache, ContinuousBatchingKVCache, or ndarray [B, N, Hkv, D]
+        Keys and values: two cache objects sharing ``cache_lengths`` and ``lookup_table``,
+        or dense arrays (every sequence has ``N`` keys).  ``H % Hkv == 0``; query head ``h``
+        reads KV head ``h // (H // Hkv)``.  Same dtype as ``q``.
+    mask : Mask or ndarray, default NullMask()
+        Which keys each query sees.  An additive tensor (``MaterializedMask`` or a plain
+        array) is ``[1, N]``, ``[B, 1, N]`` or ``[B, H, 1, N]``: one query row per sequence.
+    scale : float, optional
+        Score scale; ``None`` means ``1 / sqrt(D)``.
+    sink_weights : ndarray, shape [H], optional
+        One sink logit per query head, counted once in each row's softmax denominator.
+    num_partitions : int, optional
+        Key partitions per sequence (split-K).  ``None`` takes ``config.num_partitions`` or,
+        if that is ``None`` too, picks a count from the work size and the number of CPU
+        threads or GPU multiprocessors.  A fixed count gives bitwise-repeatable results.
+    device : {"auto", "cpu", "cuda"}, default "auto"
+        ``"auto"`` runs on CUDA when an input is a device array.  With ``"cuda"``, NumPy
+        inputs are copied to the GPU and the results back; device arrays are used in place
+        and the results stay on the device.
+    out : ndarray, shape [B, H, D], optional
+        Written in place and returned (C-contiguous, the queries' dtype).
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row (natural log).
+    config : MHAConfig, optional
+        ``block_k`` (tile and partition alignment), ``num_partitions`` (default for the
+        argument), ``threads_per_block`` (CUDA).
+
+    Returns
+    -------
+    out : ndarray, shape [B, H, D]
+    lse : ndarray, shape [B, H]
+        Only with ``return_lse=True``: ``-inf`` for a row with no visible key (the sink
+        logit with sinks).
+
+    Raises
+    ------
+    TypeError
+        If an argument has the wrong type or dtype.
+    ValueError
+        If shapes disagree, ``num_partitions`` is not >= 1, or a cache cannot hold the
+        keys it is asked for.
+    numattn._cuda.CudaUnavailableError
+        If ``device="cuda"`` and no GPU (or simulator) is available.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import CausalMask, PagedKVCache, reference
+    >>> from numattn.decode import decode_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    >>> pages = rng.standard_normal((2, 5, 6, 2, 8)).astype(np.float32)
+    >>> table = np.array([[0, 1], [3, 4]])
+    >>> k = PagedKVCache(pages[0], np.array([7, 10]), table)
+    >>> v = PagedKVCache(pages[1], np.array([7, 10]), table)
+    >>> out = decode_attention(q, k, v, CausalMask(), num_partitions=2)
+    >>> bool(np.allclose(out, reference.decode_attention(q, k, v, CausalMask()), atol=1e-5))
+    True
+    """
+    check_array("q", q, ndim=3)
+    dtype = check_float_dtype("q", q)
+    batch, num_heads, head_dim = shape_of(q)
+    if head_dim < 1:
+        raise ValueError(f"q must be [B, H, D] with D >= 1, got shape {list(shape_of(q))}")
+    config = resolve_config(config)
+    num_partitions = _check_num_partitions(
+        config.num_partitions if num_partitions is None else num_partitions
+    )
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if not isinstance(k, KVCache):
+        check_array("k", k, ndim=4)
+        check_array("v", v, ndim=4)
+    layout = resolve_kv(k, v, batch=batch, dtype=dtype, kv_lens=np.ones(batch, np.int64))
+    if layout.head_dim != head_dim:
+        raise ValueError(
+            f"k and v must have head dimension D = {head_dim} (from q), got {layout.head_dim}"
+        )
+    check_heads(num_heads, layout.num_kv_heads)
+    scale = check_scale(scale, head_dim)
+    sinks = check_sink_weights(sink_weights, num_heads, dtype)
+    program, tensor = compile_mask(mask)
+    max_keys = int(layout.num_keys.max()) if batch else 0
+    additive = additive_4d(tensor, batch=batch, num_heads=num_heads, max_q_len=1,
+                           max_keys=max_keys, dtype=dtype)
+    device = resolve_device(
+        device, [q, layout.k_blocks, layout.v_blocks, tensor, out, sink_weights]
+    )
+    out = check_out(out, (batch, num_heads, head_dim), dtype)
+    args = _KernelArgs(layout, program, tensor is not None, additive,
+                       sinks if sinks is not None else np.zeros(num_heads, dtype),
+                       sinks is not None, dtype.type(scale), config)
+    if device == "cuda":
+        return _decode_cuda(q, args, num_partitions, out, return_lse)
+    return _decode_cpu(q, args, num_partitions, out, return_lse)
+
+
+class _KernelArgs(NamedTuple):
+    """The normalised inputs every driver passes on (host or device arrays)."""
+
+    layout: KVLayout
+    program: np.ndarray  # int64 [n_ops, 2] mask program
+    has_additive: bool
+    additive: object  # [Bm, Hm, 1, N] additive tensor, or a [1, 1, 1, 1] placeholder
+    sinks: np.ndarray  # [H] sink logits (zeros without sinks)
+    has_sink: bool
+    scale: np.floating  # in the queries' dtype
+    config: MHAConfig
+
+
+def _check_num_partitions(num_partitions):
+    if num_partitions is None:
+        return None
+    if isinstance(num_partitions, (bool, np.bool_)) or not isinstance(
+        num_partitions, (int, np.integer)
+    ):
+        raise TypeError(
+            f"num_partitions must be an integer >= 1 or None, got "
+            f"{type(num_partitions).__name__}"
+        )
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be an integer >= 1, got {num_partitions}")
+    return int(num_partitions)
+
+
+def _partition_count(requested, num_keys, batch, block_k, workers):
+    """Partitions to launch: the requested count, or one from the work size and workers.
+
+    More partitions than the longest sequence has tiles would all be empty, so the count is
+    capped there; that changes no partition's keys, so results stay bitwise the same.
+    """
+    max_keys = int(num_keys.max()) if batch else 0
+    tiles = max(1, -(-max_keys // block_k))
+    if requested is None:
+        wanted = -(-ITEMS_PER_WORKER * workers // max(batch, 1))
+        requested = max(1, min(wanted, tiles // MIN_TILES_PER_PARTITION, MAX_AUTO_PARTITIONS))
+    return min(requested, tiles)
+
+
+def _finish(out, lse, return_lse):
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------
+# CPU driver.
+# --------------------------------------------------------------------------------------
+def _decode_cpu(q, args, num_partitions, out, return_lse):
+    import numba
+
+    layout = args.layout
+    batch, num_heads, head_dim = shape_of(q)
+    dtype = q.dtype
+    result = out if out is not None else np.empty((batch, num_heads, head_dim), dtype)
+    lse = np.empty((batch, num_heads), dtype)
+    if batch == 0 or num_heads == 0:
+        return _finish(result, lse, return_lse)
+    block_k = args.config.block_k
+    parts = _partition_count(num_partitions, layout.num_keys, batch, block_k,
+                             numba.get_num_threads())
+    part_m = np.empty((batch, parts, num_heads), dtype)
+    part_l = np.empty((batch, parts, num_heads), dtype)
+    part_acc = np.empty((batch, parts, num_heads, head_dim), dtype)
+    cpu_jit(_decode_partitions_cpu, parallel=True)(
+        np.ascontiguousarray(q), layout.k_blocks, layout.v_blocks, layout.page_size,
+        layout.lookup_table, layout.row_base, layout.num_keys, args.program, args.additive,
+        args.has_additive, args.scale, block_k, part_m, part_l, part_acc,
+    )
+    cpu_jit(_decode_reduce_cpu, parallel=True)(
+        part_m, part_l, part_acc, args.sinks, args.has_sink, result, lse
+    )
+    return _finish(result, lse, return_lse)
+
+
+# --------------------------------------------------------------------------------------
+# CUDA driver.
+# --------------------------------------------------------------------------------------
+def _decode_cuda(q, args, num_partitions, out, return_lse):
+    cuda = require_cuda()
+    layout = args.layout
+    batch, num_heads, head_dim = shape_of(q)
+    dtype = np.dtype(q.dtype)
+    on_device = is_device_array(q) or (out is not None and is_device_array(out))
+    if batch > 65535:
+        raise ValueError(f"device='cuda' supports at most 65535 sequences, got {batch}")
+
+    def to_device(x):
+        if not is_device_array(x):
+            return cuda.to_device(np.ascontiguousarray(x))
+        # Numba's own device arrays (and the simulator's) are used as they are; others
+        # (CuPy, PyTorch, ...) are wrapped without a copy.
+        return x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x)
+
+    if out is not None and is_device_array(out):
+        d_out = to_device(out)
+    else:
+        d_out = cuda.device_array((batch, num_heads, head_dim), dtype)
+    if not (batch and num_heads):
+        d_lse = cuda.device_array((batch, num_heads), dtype)
+    else:
+        config = args.config
+        block_k = config.block_k
+        threads = config.threads_per_block
+        tile = min(block_k, CUDA_MAX_TILE)
+        group = num_heads // layout.num_kv_heads
+        per_head = (tile + threads + 1) * dtype.itemsize
+        heads_per_pass = max(1, min(group, CUDA_SHARED_BYTES // per_head))
+        parts = _partition_count(num_partitions, layout.num_keys, batch * layout.num_kv_heads,
+                                 block_k, _multiprocessors(cuda))
+        # Few transfers and allocations per call: the small host arrays travel packed by
+        # dtype, and the partial states and lse share one allocation.
+        table, row_base, num_keys, program = _packed_to_device(
+            cuda, [layout.lookup_table, layout.row_base, layout.num_keys, args.program],
+            np.int64)
+        floats = [args.sinks] + ([] if is_device_array(args.additive) else [args.additive])
+        sinks, *additive = _packed_to_device(cuda, floats, dtype)
+        additive = additive[0] if additive else args.additive
+        part_m, part_l, part_acc, d_lse = _split(
+            cuda.device_array(batch * num_heads * (parts * (head_dim + 2) + 1), dtype),
+            [(batch, parts, num_heads), (batch, parts, num_heads),
+             (batch, parts, num_heads, head_dim), (batch, num_heads)])
+        grid = (parts, layout.num_kv_heads, batch)
+        cuda_kernel(_decode_partitions_cuda)[grid, threads, 0, heads_per_pass * per_head](
+            to_device(q), to_device(layout.k_blocks), to_device(layout.v_blocks),
+            layout.page_size, table, row_base, num_keys, program, additive,
+            args.has_additive, args.scale, block_k, tile, heads_per_pass, part_m, part_l,
+            part_acc,
+        )
+        cuda_kernel(_decode_reduce_cuda)[batch * num_heads, threads](
+            part_m, part_l, part_acc, sinks, args.has_sink, d_out, d_lse
+        )
+    if on_device:
+        return _finish(d_out, d_lse, return_lse)
+    result = d_out.copy_to_host(out) if out is not None else d_out.copy_to_host()
+    return _finish(result, d_lse.copy_to_host(), return_lse)
+
+
+def _packed_to_device(cuda, arrays, dtype):
+    """Copy small host arrays to the device in one transfer; returns a view of each."""
+    flat = np.concatenate([np.ravel(x).astype(dtype, copy=False) for x in arrays])
+    return _split(cuda.to_device(flat), [x.shape for x in arrays])
+
+
+def _split(flat, shapes):
+    """C-contiguous views of consecutive pieces of a 1-d (device) array."""
+    views = []
+    start = 0
+    for shape in shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        views.append(flat[start:start + size].reshape(shape))
+        start += size
+    return views
+
+
+def _multiprocessors(cuda):
+    try:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    except Exception:  # the simulator's fake device may not say
+        return 1
+
+
+# --------------------------------------------------------------------------------------
+# Shared bodies (CPU and CUDA).
+# --------------------------------------------------------------------------------------
+@body
+def partition_bounds(num_keys, part, num_partitions, block_k):
+    """Keys ``[start, end)`` of partition ``part``: ``num_partitions`` equal spans, each a
+    multiple of ``block_k`` (at least one tile); trailing partitions may be empty."""
+    span = (num_keys + num_partitions - 1) // num_partitions
+    span = max(block_k, (span + block_k - 1) // block_k * block_k)
+    start = min(part * span, num_keys)
+    return start, min(start + span, num_keys)
+
+
+@body
+def key_bias(additive, b, h, t):
+    """Additive-mask term of key ``t`` for head ``h`` of sequence ``b`` (``-inf`` hides it).
+
+    ``additive`` is the ``[Bm, Hm, 1, N]`` view of :func:`numattn.masks.additive_4d`.
+    """
+    bm = b if additive.shape[0] > 1 else 0
+    hm = h if additive.shape[1] > 1 else 0
+    return additive[bm, hm, 0, t]
+
+
+@body
+def rescale_state(m, l, tile_max):
+    """Move a partial state to the max of a new tile of scores.
+
+    Returns ``(m_new, l * alpha, alpha)``: the accumulator is rescaled by ``alpha`` and each
+    new key then weighs ``exp_diff(s, m_new)``.  A tile with no visible key leaves the
+    state unchanged (``alpha`` is 1 unless ``m`` was ``-inf``, when ``l`` and ``acc`` are 0).
+    """
+    m_new = max(m, tile_max)
+    alpha = exp_diff(m, m_new)
+    return m_new, l * alpha, alpha
+
+
+@body
+def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out, lse):
+    """Merge the partitions of row ``(b, h)`` and finish it: ``out[b, h, d]`` for
+    ``d = d0, d0 + d_step, ...`` and ``lse[b, h]`` (written when ``d0 == 0``).
+
+    ``M = max_p m_p``, ``w_p = e^(m_p - M)``, ``L = sum w_p l_p``, ``acc = sum w_p acc_p``;
+    partitions with ``w_p == 0`` (empty ones: ``m_p = -inf``) are skipped, and the sink
+    enters once, in :func:`finish_row`.
+    """
+    num_parts = part_m.shape[1]
+    big = part_m[b, 0, h]
+    for p in range(1, num_parts):
+        x = part_m[b, p, h]
+        if x > big or x != x:
+            big = x
+    total = 0.0
+    for p in range(num_parts):
+        w = merge_weight(part_m[b, p, h], big)
+        if w != 0:
+            total += w * part_l[b, p, h]
+    out_scale, row_lse = finish_row(big, total, sinks[h], has_sink)
+    for d in range(d0, part_acc.shape[3], d_step):
+        acc = 0.0
+        for p in range(num_parts):
+            w = merge_weight(part_m[b, p, h], big)
+            if w != 0:
+                acc += w * part_acc[b, p, h, d]
+        out[b, h, d] = acc * out_scale
+    if d0 == 0:
+        lse[b, h] = row_lse
+
+
+# --------------------------------------------------------------------------------------
+# CPU kernels.
+# --------------------------------------------------------------------------------------
+def _decode_partitions_cpu(q, k_blocks, v_blocks, page_size, lookup_table, row_base,
+                           num_keys, program, additive, has_additive, scale, block_k,
+                           part_m, part_l, part_acc):
+    """Partial states ``part_* [B, P, H(, D)]``: one work item per (sequence, partition)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_blocks.shape[2]
+    group = num_heads // num_kv_heads
+    num_partitions = part_m.shape[1]
+    for item in prange(batch * num_partitions):
+        b = item // num_partitions
+        part = item % num_partitions
+        q_idx = num_keys[b] - 1
+        start, end = partition_bounds(num_keys[b], part, num_partitions, block_k)
+        m = part_m[b, part]
+        l = part_l[b, part]
+        acc = part_acc[b, part]
+        for h in range(num_heads):
+            m[h] = -math.inf
+            l[h] = 0
+            for d in range(head_dim):
+                acc[h, d] = 0
+        scores = np.empty((num_heads, block_k), dtype=q.dtype)
+        pages = np.empty(block_k, dtype=np.int64)
+        slots = np.empty(block_k, dtype=np.int64)
+        for k0 in range(start, end, block_k):
+            k1 = min(k0 + block_k, end)
+            status = mask_tile_status(program, q_idx, q_idx, k0, k1 - 1)
+            if status == TILE_FULL:
+                continue
+            n = k1 - k0
+            # Scores: each token's whole [Hkv, D] K row, read once, serves every head; four
+            # keys at a time share the loads of q, two heads of a KV head the loads of K.
+            # Hidden keys are scored too (their rows are in range) and then replaced by
+            # -inf below, so nothing they hold is used.
+            for i in range(n):
+                page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0 + i)
+                pages[i] = page
+                slots[i] = slot
+            i = 0
+            while i < n:
+                # keys i, i1, i2, i3: four keys, or the last one repeated at the end
+                last = min(n - 1, i + 3)
+                i1 = min(i + 1, last)
+                i2 = min(i + 2, last)
+                i3 = last
+                p0, p1, p2, p3 = pages[i], pages[i1], pages[i2], pages[i3]
+                s0, s1, s2, s3 = slots[i], slots[i1], slots[i2], slots[i3]
+                for j in range(num_kv_heads):
+                    h = j * group
+                    while h < (j + 1) * group:
+                        if h + 1 < (j + 1) * group:  # two heads share the loads of K
+                            qa = q[b, h, 0]
+                            qb = q[b, h + 1, 0]
+                            e0 = k_blocks[p0, s0, j, 0]
+                            e1 = k_blocks[p1, s1, j, 0]
+                            e2 = k_blocks[p2, s2, j, 0]
+                            e3 = k_blocks[p3, s3, j, 0]
+                            a0, a1, a2, a3 = qa * e0, qa * e1, qa * e2, qa * e3
+                            c0, c1, c2, c3 = qb * e0, qb * e1, qb * e2, qb * e3
+                            for d in range(1, head_dim):
+                                qa = q[b, h, d]
+                                qb = q[b, h + 1, d]
+                                e0 = k_blocks[p0, s0, j, d]
+                                e1 = k_blocks[p1, s1, j, d]
+                                e2 = k_blocks[p2, s2, j, d]
+                                e3 = k_blocks[p3, s3, j, d]
+                                a0 += qa * e0
+                                a1 += qa * e1
+                                a2 += qa * e2
+                                a3 += qa * e3
+                                c0 += qb * e0
+                                c1 += qb * e1
+                                c2 += qb * e2
+                                c3 += qb * e3
+                            scores[h + 1, i] = c0 * scale
+                            scores[h + 1, i1] = c1 * scale
+                            scores[h + 1, i2] = c2 * scale
+                            scores[h + 1, i3] = c3 * scale
+                        else:
+                            qa = q[b, h, 0]
+                            a0 = qa * k_blocks[p0, s0, j, 0]
+                            a1 = qa * k_blocks[p1, s1, j, 0]
+                            a2 = qa * k_blocks[p2, s2, j, 0]
+                            a3 = qa * k_blocks[p3, s3, j, 0]
+                            for d in range(1, head_dim):
+                                qa = q[b, h, d]
+                                a0 += qa * k_blocks[p0, s0, j, d]
+                                a1 += qa * k_blocks[p1, s1, j, d]
+                                a2 += qa * k_blocks[p2, s2, j, d]
+                                a3 += qa * k_blocks[p3, s3, j, d]
+                        scores[h, i] = a0 * scale
+                        scores[h, i1] = a1 * scale
+                        scores[h, i2] = a2 * scale
+                        scores[h, i3] = a3 * scale
+                        h += 2
+                i += 4
+            if status != TILE_NONE or has_additive:
+                for i in range(n):
+                    visible = status == TILE_NONE or mask_visible(program, q_idx, k0 + i)
+                    for h in range(num_heads):
+                        if not visible:
+                            scores[h, i] = -math.inf
+                        elif has_additive:
+                            bias = key_bias(additive, b, h, k0 + i)
+                            if bias == -math.inf:
+                                scores[h, i] = bias
+                            else:
+                                scores[h, i] += bias
+            # Softmax of the tile, per head: rescale the state once, weigh each key.
+            for h in range(num_heads):
+                tile_max = scores[h, 0]
+                for i in range(1, n):
+                    tile_max = max(tile_max, scores[h, i])
+                m_new, total, alpha = rescale_state(m[h], l[h], tile_max)
+                for i in range(n):
+                    p = exp_diff(scores[h, i], m_new)
+                    scores[h, i] = p
+                    total += p
+                m[h] = m_new
+                l[h] = total
+                if alpha != 1:
+                    for d in range(head_dim):
+                        acc[h, d] *= alpha
+            # Output: each token's whole [Hkv, D] V row, read once, serves every head; four
+            # keys at a time share the loads and stores of acc, two heads the loads of V.
+            # A key of weight 0 (hidden) is left out, so no NaN its slot holds reaches acc.
+            i = 0
+            while i + 4 <= n:
+                p0, p1, p2, p3 = pages[i], pages[i + 1], pages[i + 2], pages[i + 3]
+                s0, s1, s2, s3 = slots[i], slots[i + 1], slots[i + 2], slots[i + 3]
+                for j in range(num_kv_heads):
+                    h = j * group
+                    while h < (j + 1) * group:
+                        pair = h + 1 < (j + 1) * group
+                        w0, w1 = scores[h, i], scores[h, i + 1]
+                        w2, w3 = scores[h, i + 2], scores[h, i + 3]
+                        x0 = scores[h + 1, i] if pair else w0
+                        x1 = scores[h + 1, i + 1] if pair else w1
+                        x2 = scores[h + 1, i + 2] if pair else w2
+                        x3 = scores[h + 1, i + 3] if pair else w3
+                        if (pair and w0 != 0 and w1 != 0 and w2 != 0 and w3 != 0 and x0 != 0
+                                and x1 != 0 and x2 != 0 and x3 != 0):
+                            # two heads share the loads of V
+                            for d in range(head_dim):
+                                v0 = v_blocks[p0, s0, j, d]
+                                v1 = v_blocks[p1, s1, j, d]
+                                v2 = v_blocks[p2, s2, j, d]
+                                v3 = v_blocks[p3, s3, j, d]
+                                acc[h, d] += (w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3)
+                                acc[h + 1, d] += (x0 * v0 + x1 * v1) + (x2 * v2 + x3 * v3)
+                            h += 2
+                            continue
+                        for u in range(4):
+                            w = scores[h, i + u]
+                            if w != 0:
+                                page = pages[i + u]
+                                slot = slots[i + u]
+                                for d in range(head_dim):
+                                    acc[h, d] += w * v_blocks[page, slot, j, d]
+                        h += 1
+                i += 4
+            while i < n:
+                page = pages[i]
+                slot = slots[i]
+                for h in range(num_heads):
+                    w = scores[h, i]
+                    if w != 0:
+                        j = h // group
+                        for d in range(head_dim):
+                            acc[h, d] += w * v_blocks[page, slot, j, d]
+                i += 1
+
+
+def _decode_reduce_cpu(part_m, part_l, part_acc, sinks, has_sink, out, lse):
+    num_heads = part_m.shape[2]
+    for row in prange(part_m.shape[0] * num_heads):
+        reduce_row(part_m, part_l, part_acc, sinks, has_sink, row // num_heads,
+                   row % num_heads, 0, 1, out, lse)
+
+
+# --------------------------------------------------------------------------------------
+# CUDA kernels.
+# --------------------------------------------------------------------------------------
+def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_base,
+                            num_keys, program, additive, has_additive, scale, block_k, tile,
+                            heads_per_pass, part_m, part_l, part_acc):
+    """One block per (partition, KV head, sequence); ``tile`` keys at a time.
+
+    Dynamic shared memory holds, per head of a pass, the tile's scores (then weights)
+    ``[tile]``, a reduction buffer ``[threads]`` and the tile's rescale factor.  Threads
+    ``(key_slot, lane)`` compute dot products with ``CUDA_DOT_LANES`` lanes over D (coalesced
+    rows), then threads over (head, d) accumulate the weighted V rows.
+    """
+    part = cuda.blockIdx.x  # noqa: F821 - bound by cuda_kernel
+    j = cuda.blockIdx.y  # noqa: F821 - bound by cuda_kernel
+    b = cuda.blockIdx.z  # noqa: F821 - bound by cuda_kernel
+    num_partitions = cuda.gridDim.x  # noqa: F821 - bound by cuda_kernel
+    tid = cuda.threadIdx.x  # noqa: F821 - bound by cuda_kernel
+    threads = cuda.blockDim.x  # noqa: F821 - bound by cuda_kernel
+    num_heads = q.shape[1]
+    head_dim = q.shape[2]
+    group = num_heads // k_blocks.shape[2]
+    lane = tid % CUDA_DOT_LANES
+    key_slot = tid // CUDA_DOT_LANES
+    key_slots = threads // CUDA_DOT_LANES
+    zero = scale - scale
+    shared = cuda.shared.array(0, dtype=q.dtype)  # noqa: F821 - bound by cuda_kernel
+    red = heads_per_pass * tile
+    alphas = red + heads_per_pass * threads
+    q_idx = num_keys[b] - 1
+    start, end = partition_bounds(num_keys[b], part, num_partitions, block_k)
+    for g0 in range(0, group, heads_per_pass):
+        gn = min(heads_per_pass, group - g0)
+        h0 = j * group + g0
+        for idx in range(tid, gn * head_dim, threads):
+            part_acc[b, part, h0 + idx // head_dim, idx % head_dim] = zero
+        if tid < gn:
+            part_m[b, part, h0 + tid] = -math.inf
+            part_l[b, part, h0 + tid] = zero
+        cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+        for k0 in range(start, end, tile):
+            k1 = min(k0 + tile, end)
+            status = mask_tile_status(program, q_idx, q_idx, k0, k1 - 1)
+            if status == TILE_FULL:
+                continue
+            n = k1 - k0
+            # Scores, key_slots keys per round: lanes sum a slice of D each ...
+            for r0 in range(0, n, key_slots):
+                t = k0 + r0 + key_slot
+                if r0 + key_slot < n:
+                    page, slot = kv_page_slot(lookup_table, page_size, row_base, b, t)
+                    for g in range(gn):
+                        dot = zero
+                        for d in range(lane, head_dim, CUDA_DOT_LANES):
+                            dot += q[b, h0 + g, d] * k_blocks[page, slot, j, d]
+                        shared[red + g * threads + tid] = dot
+                cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+                # ... and one thread per (head, key) adds the lanes and applies the mask.
+                for idx in range(tid, gn * key_slots, threads):
+                    g = idx // key_slots
+                    ks = idx % key_slots
+                    i = r0 + ks
+                    if i < n:
+                        s = -math.inf
+                        if status == TILE_NONE or mask_visible(program, q_idx, k0 + i):
+                            bias = key_bias(additive, b, h0 + g, k0 + i) if has_additive else zero
+                            if bias != -math.inf:
+                                dot = zero
+                                base = red + g * threads + ks * CUDA_DOT_LANES
+                                for ln in range(CUDA_DOT_LANES):
+                                    dot += shared[base + ln]
+                                s = dot * scale + bias
+                        shared[g * tile + i] = s
+                cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+            # Tile max per head (tree reduction), then rescale the state.
+            for g in range(gn):
+                best = -math.inf
+                for i in range(tid, n, threads):
+                    best = max(best, shared[g * tile + i])
+                shared[red + g * threads + tid] = best
+            cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+            stride = threads // 2
+            while stride > 0:
+                if tid < stride:
+                    for g in range(gn):
+                        a = shared[red + g * threads + tid]
+                        other = shared[red + g * threads + tid + stride]
+                        shared[red + g * threads + tid] = max(a, other)
+                cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+                stride //= 2
+            if tid < gn:
+                h = h0 + tid
+                m_new, l_scaled, alpha = rescale_state(
+                    part_m[b, part, h], part_l[b, part, h], shared[red + tid * threads]
+                )
+                part_m[b, part, h0 + tid] = m_new
+                part_l[b, part, h0 + tid] = l_scaled
+                shared[alphas + tid] = alpha
+            cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+            # Weights of the tile's keys and their sum per head (tree reduction).
+            for g in range(gn):
+                m_new = part_m[b, part, h0 + g]
+                total = zero
+                for i in range(tid, n, threads):
+                    p = exp_diff(shared[g * tile + i], m_new)
+                    shared[g * tile + i] = p
+                    total += p
+                shared[red + g * threads + tid] = total
+            cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+            stride = threads // 2
+            while stride > 0:
+                if tid < stride:
+                    for g in range(gn):
+                        shared[red + g * threads + tid] += shared[red + g * threads + tid + stride]
+                cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+                stride //= 2
+            if tid < gn:
+                part_l[b, part, h0 + tid] += shared[red + tid * threads]
+            # Output: threads over (head, d) add the weighted V rows of the tile.
+            for idx in range(tid, gn * head_dim, threads):
+                g = idx // head_dim
+                d = idx % head_dim
+                total = zero
+                # walk the tile's slots page by page (no division per key)
+                row = row_base[b] + k0
+                page_idx = row // page_size
+                slot = row - page_idx * page_size
+                page = lookup_table[b, page_idx]
+                for i in range(n):
+                    p = shared[g * tile + i]
+                    if p != 0:
+                        total += p * v_blocks[page, slot, j, d]
+                    slot += 1
+                    if slot == page_size and i + 1 < n:
+                        slot = 0
+                        page_idx += 1
+                        page = lookup_table[b, page_idx]
+                acc = part_acc[b, part, h0 + g, d]
+                part_acc[b, part, h0 + g, d] = acc * shared[alphas + g] + total
+            cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+
+
+def _decode_reduce_cuda(part_m, part_l, part_acc, sinks, has_sink, out, lse):
+    """One block per (sequence, head) row, threads over the head dimension."""
+    num_heads = part_m.shape[2]
+    row = cuda.blockIdx.x  # noqa: F821 - bound by cuda_kernel
+    reduce_row(part_m, part_l, part_acc, sinks, has_sink, row // num_heads, row % num_heads,
+               cuda.threadIdx.x, cuda.blockDim.x, out, lse)  # noqa: F821 - bound by cuda_kernel

@@ -1,0 +1,225 @@
+"""``python -m numattn demo``: the library's main job, end to end, as a serving loop uses it.
+
+A small GPT-style decoder with random weights (NumPy, float32): a ragged batch of prompts
+is prefilled into a paged KV cache with :func:`numattn.store_kv` and
+:func:`numattn.flash_attention_kv_cache`, then tokens are generated one step at a time with
+:func:`numattn.decode_attention`.  Every attention call is checked against
+:mod:`numattn.reference`; the run reports tokens per second and the largest error.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import reference
+from .kv_cache import PagedKVCache, store_kv
+from .masks import CausalMask
+
+__all__ = ["DemoModel", "DemoResult", "run_demo"]
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """Shapes of the toy decoder (GQA attention, RMSNorm, rotary positions, GELU MLP)."""
+
+    vocab: int = 512
+    d_model: int = 256
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    num_layers: int = 2
+    page_size: int = 16
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+@dataclass
+class DemoResult:
+    """What :func:`run_demo` measured."""
+
+    prompt_lengths: list
+    generated: np.ndarray  # [B, new_tokens] token ids
+    prefill_seconds: float
+    step_seconds: list  # wall time of each decode step (the first one compiles)
+    max_error: float
+    attention_calls: int
+    errors: list = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second over the decode steps after the first (compiling) one."""
+        steady = self.step_seconds[1:] or self.step_seconds
+        total = self.generated.shape[0] * len(steady)
+        return total / sum(steady) if sum(steady) > 0 else float("inf")
+
+
+def _rms_norm(x):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _rotary(x, positions):
+    """Rotary position embedding of ``x [T, heads, D]`` at integer ``positions [T]``."""
+    d = x.shape[-1]
+    half = d // 2
+    freqs = 1.0 / (10000.0 ** (np.arange(half, dtype=np.float64) / half))
+    angles = positions[:, None].astype(np.float64) * freqs[None, :]
+    cos = np.cos(angles)[:, None, :].astype(x.dtype)
+    sin = np.sin(angles)[:, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    out = x.copy()
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half : 2 * half] = x1 * sin + x2 * cos
+    return out
+
+
+class _Decoder:
+    def __init__(self, model, rng):
+        m = model
+        s = 1.0 / np.sqrt(m.d_model)
+        self.m = m
+        self.embed = rng.standard_normal((m.vocab, m.d_model)).astype(np.float32)
+        self.unembed = (rng.standard_normal((m.d_model, m.vocab)) * s).astype(np.float32)
+        self.layers = []
+        for _ in range(m.num_layers):
+            self.layers.append({
+                "wq": (rng.standard_normal((m.d_model, m.num_heads * m.head_dim)) * s),
+                "wk": (rng.standard_normal((m.d_model, m.num_kv_heads * m.head_dim)) * s),
+                "wv": (rng.standard_normal((m.d_model, m.num_kv_heads * m.head_dim)) * s),
+                "wo": (rng.standard_normal((m.num_heads * m.head_dim, m.d_model)) * s),
+                "w1": (rng.standard_normal((m.d_model, 4 * m.d_model)) * s),
+                "w2": (rng.standard_normal((4 * m.d_model, m.d_model)) * s / 2),
+            })
+            self.layers[-1] = {k: v.astype(np.float32) for k, v in self.layers[-1].items()}
+
+    def qkv(self, layer, x, positions):
+        m = self.m
+        h = _rms_norm(x)
+        q = (h @ layer["wq"]).reshape(-1, m.num_heads, m.head_dim)
+        k = (h @ layer["wk"]).reshape(-1, m.num_kv_heads, m.head_dim)
+        v = (h @ layer["wv"]).reshape(-1, m.num_kv_heads, m.head_dim)
+        return _rotary(q, positions), np.ascontiguousarray(_rotary(k, positions)), v.copy()
+
+    def finish(self, layer, x, attn):
+        x = x + attn.reshape(x.shape[0], -1) @ layer["wo"]
+        h = _rms_norm(x) @ layer["w1"]
+        h = 0.5 * h * (1.0 + np.tanh(0.7978845608 * (h + 0.044715 * h**3)))
+        return x + h @ layer["w2"]
+
+    def logits(self, x):
+        return _rms_norm(x) @ self.unembed
+
+
+def run_demo(*, batch=4, new_tokens=32, seed=0, model=None, check=True, progress=None):
+    """Prefill a ragged batch of prompts into a paged cache and generate ``new_tokens`` each.
+
+    Parameters
+    ----------
+    batch : int
+        Number of prompts (their lengths are drawn between 5 and 70 tokens).
+    new_tokens : int
+        Tokens generated per sequence with :func:`numattn.decode_attention`.
+    seed : int
+        Seed of the random weights and prompts.
+    model : DemoModel, optional
+        Shapes of the toy decoder.
+    check : bool
+        Compare every attention call with :mod:`numattn.reference`.
+    progress : callable, optional
+        Called as ``progress(step, total)`` after each generated token.
+
+    Returns
+    -------
+    DemoResult
+
+    Examples
+    --------
+    >>> from numattn.demo import run_demo
+    >>> result = run_demo(batch=2, new_tokens=2)
+    >>> result.generated.shape, result.max_error < 1e-3
+    ((2, 2), True)
+    """
+    from . import decode_attention, flash_attention_kv_cache
+
+    m = model or DemoModel()
+    rng = np.random.default_rng(seed)
+    net = _Decoder(m, rng)
+    prompt_lengths = [int(n) for n in rng.integers(5, 71, size=batch)]
+    offsets = np.concatenate([[0], np.cumsum(prompt_lengths)]).astype(np.int64)
+    tokens = rng.integers(0, m.vocab, size=int(offsets[-1]))
+
+    # One paged pool per layer for K and one for V; all share the page table and lengths.
+    capacity = max(prompt_lengths) + new_tokens
+    pages_per_seq = -(-capacity // m.page_size)
+    num_pages = batch * pages_per_seq
+    table = rng.permutation(num_pages).reshape(batch, pages_per_seq)  # pages in any order
+    cache_lengths = np.zeros(batch, dtype=np.int64)
+    shape = (num_pages, m.page_size, m.num_kv_heads, m.head_dim)
+    caches = [
+        (PagedKVCache(np.full(shape, np.nan, np.float32), cache_lengths, table),
+         PagedKVCache(np.full(shape, np.nan, np.float32), cache_lengths, table))
+        for _ in range(m.num_layers)
+    ]
+    mask = CausalMask()
+    errors = []
+
+    def compare(got, ref):
+        if check:
+            errors.append(float(np.max(np.abs(got - ref), initial=0.0)))
+
+    # Prefill: all prompts at once, ragged.
+    start = time.perf_counter()
+    positions = np.concatenate([np.arange(n) for n in prompt_lengths])
+    x = net.embed[tokens]
+    for layer, (k_cache, v_cache) in zip(net.layers, caches):
+        q, k_new, v_new = net.qkv(layer, x, positions)
+        store_kv(k_cache, k_new, offsets)
+        store_kv(v_cache, v_new, offsets)
+        attn = flash_attention_kv_cache(q, k_cache, v_cache, mask, q_input_row_offsets=offsets)
+        if check:
+            compare(attn, reference.flash_attention_kv_cache(
+                q, k_cache, v_cache, mask, q_input_row_offsets=offsets))
+        x = net.finish(layer, x, attn)
+    cache_lengths += np.asarray(prompt_lengths)
+    last = x[offsets[1:] - 1]
+    next_token = np.argmax(net.logits(last), axis=-1)
+    prefill_seconds = time.perf_counter() - start
+
+    # Decode: one token per sequence per step.
+    generated = np.zeros((batch, new_tokens), dtype=np.int64)
+    step_offsets = np.arange(batch + 1, dtype=np.int64)
+    step_seconds = []
+    for step in range(new_tokens):
+        generated[:, step] = next_token
+        elapsed = 0.0  # the reference checks are not timed
+        start = time.perf_counter()
+        x = net.embed[next_token]
+        positions = cache_lengths.copy()
+        for layer, (k_cache, v_cache) in zip(net.layers, caches):
+            q, k_new, v_new = net.qkv(layer, x, positions)
+            store_kv(k_cache, k_new, step_offsets)
+            store_kv(v_cache, v_new, step_offsets)
+            attn = decode_attention(q, k_cache, v_cache, mask)
+            elapsed += time.perf_counter() - start
+            if check:
+                compare(attn, reference.decode_attention(q, k_cache, v_cache, mask))
+            start = time.perf_counter()
+            x = net.finish(layer, x, attn)
+        cache_lengths += 1
+        next_token = np.argmax(net.logits(x), axis=-1)
+        step_seconds.append(elapsed + time.perf_counter() - start)
+        if progress is not None:
+            progress(step + 1, new_tokens)
+
+    return DemoResult(
+        prompt_lengths=prompt_lengths,
+        generated=generated,
+        prefill_seconds=prefill_seconds,
+        step_seconds=step_seconds,
+        max_error=max(errors, default=0.0),
+        attention_calls=m.num_layers * (1 + new_tokens),
+        errors=errors,
+    )

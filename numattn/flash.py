@@ -1,0 +1,726 @@
+"""``flash_attention_kv_cache``: blocked (flash) attention on the CPU over KV caches.
+
+The public function validates its arguments, normalises every input form (padded BSHD or
+ragged queries; dense, ragged, continuous-batching or paged K/V) to one ragged problem over
+the paged addressing of :func:`numattn.kv_cache.resolve_kv`, and runs
+:func:`run_flash_cpu`, which ``cross_attention`` reuses.
+
+The kernel splits the work into items ``(sequence, KV head, query tile)``; each item is
+computed by one thread from start to end, so results do not depend on the thread count.
+Inside an item the ``group`` query heads that share the KV head are stacked into one tall
+tile of ``group * block_q`` rows, and for each tile of ``block_k`` keys:
+
+1. the mask's tile status is looked up: a FULL tile (every pair hidden) is skipped before
+   any key is read; a NONE tile (nothing hidden) skips the per-element mask;
+2. the K and V rows of the tile are gathered through the page table into contiguous
+   scratch, so every cache layout feeds the same BLAS calls;
+3. ``S = Q K^T`` (one GEMM), the per-element mask and additive tensor where needed (as one
+   run of visible keys per row when the mask has no ``|``), then the online-softmax update,
+   with a polynomial exponential that LLVM vectorises, turns ``S`` into ``P``;
+4. ``acc = alpha * acc + P V`` (a second GEMM).
+
+Partially masked tiles are cut into runs of a few query positions, each trimmed to the keys it
+can see, so causal and windowed masks cost about their visible pairs.  BLAS runs
+single-threaded inside the parallel loop (the thread pool is limited around the call), each
+thread owns its scratch (no score matrix larger than one tile is ever held), items are dealt
+to threads by estimated cost, and the sink logit enters each row's denominator exactly once,
+when the row is finished.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._jit import body, cpu_jit, prange
+from ._softmax import finish_row
+from ._validate import (
+    check_array,
+    check_float_dtype,
+    check_heads,
+    check_out,
+    check_row_offsets,
+    check_scale,
+    check_sink_weights,
+    host_int_array,
+    shape_of,
+)
+from .config import resolve_config
+from .kv_cache import KVCache, kv_page_slot, resolve_kv
+from .masks import (
+    OP_CAUSAL,
+    OP_CHUNKED,
+    OP_CHUNKED_CAUSAL,
+    OP_OR,
+    OP_SLIDING_WINDOW_CAUSAL,
+    TILE_FULL,
+    TILE_NONE,
+    TILE_PARTIAL,
+    additive_4d,
+    compile_mask,
+    mask_tile_status,
+    mask_visible,
+)
+
+__all__ = ["flash_attention_kv_cache", "run_flash_cpu"]
+
+
+def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=None,
+                             kv_input_row_offsets=None, sink_weights=None, out=None,
+                             return_lse=False, config=None):
+    """Attention of new query tokens over a KV cache, on the CPU (flash attention).
+
+    Query row ``r`` of sequence ``b`` sits at position
+    ``q_idx = num_keys(b) - q_len(b) + r`` and attends over keys ``0 .. num_keys(b) - 1``
+    that ``mask`` leaves visible: ``out = softmax(scale * q k^T [+ additive]) v``, with
+    query head ``h`` reading KV head ``h // (H // Hkv)``.
+
+    Parameters
+    ----------
+    q : ndarray, float32 or float64
+        Padded queries ``[B, S, H, D]``, or ragged ``[T, H, D]`` together with
+        ``q_input_row_offsets``.
+    k, v : ndarray, ContinuousBatchingKVCache or PagedKVCache
+        Keys and values, of ``q``'s dtype: dense ``[B, N, Hkv, D]`` arrays (padded queries;
+        ``num_keys = N``), ragged ``[T_kv, Hkv, D]`` arrays (ragged queries; split by
+        ``kv_input_row_offsets``, else by ``q_input_row_offsets``), or two caches that
+        hold ``cache_lengths[b]`` earlier tokens followed by this step's ``kv_len(b)`` new
+        rows (``kv_len = S`` for padded queries; for ragged ones the lengths given by
+        ``kv_input_row_offsets``, else by ``q_input_row_offsets``).
+    mask : Mask, ndarray or None
+        A mask object (``None`` means :class:`~numattn.NullMask`) or an additive tensor
+        ``[S, N]``, ``[B, S, N]`` or ``[B, H, S, N]`` indexed by local query row and key
+        position (for ragged input, padded to the largest ``q_len`` and ``num_keys``).
+    scale : float, optional
+        Score scale; ``None`` means ``1 / sqrt(D)``.
+    q_input_row_offsets : int array [B + 1], optional
+        Rows of sequence ``b`` in a ragged ``q``: ``offsets[b]:offsets[b + 1]``.
+    kv_input_row_offsets : int array [B + 1], optional
+        New K/V rows per sequence (ragged queries only).
+    sink_weights : ndarray [H], optional
+        One sink logit per query head, counted once in each row's softmax denominator.
+    out : ndarray, optional
+        C-contiguous array of ``q``'s shape and dtype, written in place and returned.
+    return_lse : bool, default False
+        Also return the natural-log log-sum-exp of every row, ``[B, S, H]`` or ``[T, H]``.
+    config : MHAConfig, optional
+        ``block_q`` (query positions per tile) and ``block_k`` (keys per tile).
+
+    Returns
+    -------
+    out : ndarray
+        Same shape and dtype as ``q``; rows with no visible key are 0.
+    lse : ndarray
+        Only with ``return_lse=True``: ``-inf`` (or the sink logit) for rows with no
+        visible key.
+
+    Raises
+    ------
+    TypeError
+        If an argument has the wrong type or dtype.
+    ValueError
+        If shapes, offsets, cache tables or the mask do not fit together.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import CausalMask
+    >>> from numattn.flash import flash_attention_kv_cache
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((1, 3, 2, 8)).astype(np.float32)
+    >>> kv = rng.standard_normal((1, 5, 1, 8)).astype(np.float32)
+    >>> out, lse = flash_attention_kv_cache(q, kv, kv, CausalMask(), return_lse=True)
+    >>> out.shape, lse.shape
+    ((1, 3, 2, 8), (1, 3, 2))
+    """
+    config = resolve_config(config)
+    if not isinstance(q, np.ndarray):
+        check_array("q", q)
+        raise TypeError(
+            f"q must be a NumPy array (flash_attention_kv_cache runs on the CPU), got "
+            f"{type(q).__name__}"
+        )
+    dtype = check_float_dtype("q", q)
+    for name, x in (("k", k), ("v", v)):
+        data = x.blocks if isinstance(x, KVCache) else x
+        if hasattr(data, "__cuda_array_interface__") and not isinstance(data, np.ndarray):
+            raise TypeError(f"{name} must be held in NumPy arrays (this operation runs on the "
+                            "CPU), got a device array")
+    if q_input_row_offsets is None:
+        check_array("q", q, ndim=4)
+        if kv_input_row_offsets is not None:
+            raise ValueError("kv_input_row_offsets needs ragged queries: pass "
+                             "q_input_row_offsets with q of shape [T, H, D]")
+        batch, s_len, num_heads, head_dim = shape_of(q)
+        if not isinstance(k, KVCache) and len(shape_of(k)) != 4:
+            raise ValueError(f"with padded q, k and v must be [B, N, Hkv, D] arrays or caches, "
+                             f"got k of shape {list(shape_of(k))}")
+        q_offsets = np.arange(batch + 1, dtype=np.int64) * s_len
+        q_lens = np.full(batch, s_len, dtype=np.int64)
+        layout = resolve_kv(k, v, batch=batch, dtype=dtype, kv_lens=q_lens)
+    else:
+        check_array("q", q, ndim=3)
+        total, num_heads, head_dim = shape_of(q)
+        q_offsets = check_row_offsets("q_input_row_offsets", q_input_row_offsets, total,
+                                      "q.shape[0]")
+        batch = q_offsets.shape[0] - 1
+        q_lens = np.diff(q_offsets)
+        if isinstance(k, KVCache):
+            if kv_input_row_offsets is None:
+                kv_lens = q_lens
+            else:
+                kv_offsets = host_int_array("kv_input_row_offsets", kv_input_row_offsets)
+                last = int(kv_offsets[-1]) if kv_offsets.size else 0
+                kv_offsets = check_row_offsets("kv_input_row_offsets", kv_offsets, last,
+                                               "its own last entry", batch=batch)
+                kv_lens = np.diff(kv_offsets)
+            layout = resolve_kv(k, v, batch=batch, dtype=dtype, kv_lens=kv_lens)
+        else:
+            check_array("k", k, ndim=(3, 4))
+            if len(shape_of(k)) != 3:
+                raise ValueError(f"with ragged q, k and v must be [T_kv, Hkv, D] arrays or "
+                                 f"caches, got k of shape {list(shape_of(k))}")
+            kv_offsets = q_offsets if kv_input_row_offsets is None else kv_input_row_offsets
+            layout = resolve_kv(k, v, batch=batch, dtype=dtype, kv_offsets=kv_offsets)
+        s_len = int(q_lens.max()) if batch else 0
+    if layout.head_dim != head_dim:
+        raise ValueError(f"k and v must have head dim D = {head_dim} (q's), got "
+                         f"{layout.head_dim}")
+    check_heads(num_heads, layout.num_kv_heads)
+    scale = check_scale(scale, head_dim)
+    sinks = check_sink_weights(sink_weights, num_heads, dtype)
+    program, additive = compile_mask(mask)
+    if additive is not None and not isinstance(additive, np.ndarray):
+        raise TypeError(f"the additive mask must be a NumPy array, got {type(additive).__name__}")
+    max_keys = int(layout.num_keys.max()) if batch else 0
+    additive4 = additive_4d(additive, batch=batch, num_heads=num_heads, max_q_len=s_len,
+                            max_keys=max_keys, dtype=dtype)
+    check_out(out, shape_of(q), dtype)
+    if out is not None and not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+
+    result = np.empty(q.shape, dtype=dtype) if out is None else out
+    lse = np.empty(q.shape[:-1], dtype=dtype) if return_lse else None
+    rows = q.shape[0] * q.shape[1] if q.ndim == 4 else q.shape[0]
+    q_rows = np.ascontiguousarray(q).reshape(rows, num_heads, head_dim)
+    q_start_pos = layout.num_keys - q_lens
+    run_flash_cpu(
+        q_rows, q_offsets, q_start_pos, layout, program, additive4, additive is not None,
+        scale, sinks, config, result.reshape(rows, num_heads, head_dim),
+        None if lse is None else lse.reshape(rows, num_heads),
+    )
+    return (result, lse) if return_lse else result
+
+
+_BLAS_CONTROLLER = None
+
+
+def _blas_single_thread():
+    """A context that holds every BLAS thread pool to one thread (cached controller)."""
+    global _BLAS_CONTROLLER
+    if _BLAS_CONTROLLER is None:
+        import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot calls SciPy's BLAS)
+        from threadpoolctl import ThreadpoolController
+
+        _BLAS_CONTROLLER = ThreadpoolController()
+    return _BLAS_CONTROLLER.limit(limits=1, user_api="blas")
+
+
+def _work_items(q_offsets, q_start_pos, num_keys, num_kv_heads, program, block_q, block_k,
+                num_threads):
+    """Work items ``(sequence, KV head, first row)`` and their split among the threads.
+
+    Each query tile is costed (rows x keys of its key tiles that the mask does not hide
+    entirely), and the items, most expensive first, are dealt to the threads in a zigzag
+    (0, 1, .., T-1, T-1, .., 0, 0, ..), which balances them.  Thread ``t`` runs items
+    ``starts[t]:starts[t + 1]``.  The split only decides which thread computes an item, never
+    how, so results do not depend on the number of threads.
+    """
+    q_lens = np.diff(q_offsets)
+    tiles = -(-q_lens // block_q)
+    # Equal tiles per sequence (a multiple of 16 rows), not block_q and a short remainder.
+    size = np.minimum(-((-q_lens // np.maximum(tiles, 1)) // 16) * 16, block_q)
+    seq = np.repeat(np.arange(q_lens.shape[0], dtype=np.int64), tiles)
+    first = np.arange(seq.shape[0], dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    row0 = first * size[seq]
+    width = np.minimum(size[seq], q_lens[seq] - row0)
+    cost = np.empty(seq.shape[0], dtype=np.int64)
+    cpu_jit(_tile_costs)(q_start_pos, num_keys, seq, row0, width, program, block_k, cost)
+    item_seq = np.repeat(seq, num_kv_heads)
+    item_row0 = np.repeat(row0, num_kv_heads)
+    item_width = np.repeat(width, num_kv_heads)
+    item_head = np.tile(np.arange(num_kv_heads, dtype=np.int64), seq.shape[0])
+    order = np.argsort(-np.repeat(cost, num_kv_heads), kind="stable")
+    rank = np.arange(order.shape[0])
+    lane = rank % num_threads
+    thread = np.where((rank // num_threads) % 2 == 0, lane, num_threads - 1 - lane)
+    order = order[np.argsort(thread, kind="stable")]
+    starts = np.searchsorted(np.sort(thread), np.arange(num_threads + 1)).astype(np.int64)
+    return item_seq[order], item_head[order], item_row0[order], item_width[order], starts
+
+
+def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_additive,
+                  scale, sink_weights, config, out, lse):
+    """Run the CPU flash kernel on a normalised ragged problem (no validation here).
+
+    Parameters
+    ----------
+    q : ndarray [T, H, D], C-contiguous float32 or float64
+    q_offsets : int64 [B + 1]
+        Rows of each sequence in ``q``.
+    q_start_pos : int64 [B]
+        Position ``q_idx`` of each sequence's first query row.
+    layout : KVLayout
+        From :func:`numattn.kv_cache.resolve_kv`.
+    program, additive, has_additive
+        From :func:`numattn.masks.compile_mask` and :func:`numattn.masks.additive_4d`.
+    scale : float
+    sink_weights : ndarray [H] of q's dtype, or None
+    config : MHAConfig
+    out : ndarray [T, H, D]
+        Written in place.
+    lse : ndarray [T, H] or None
+        Written in place when given.
+    """
+    total, num_heads, _ = q.shape
+    if total == 0 or num_heads == 0:
+        return
+    dtype = q.dtype
+    group = num_heads // layout.num_kv_heads
+    import numba
+
+    item_seq, item_head, item_row0, item_width, starts = _work_items(
+        q_offsets, q_start_pos, layout.num_keys, layout.num_kv_heads, program, config.block_q,
+        config.block_k, numba.get_num_threads(),
+    )
+    has_sink = sink_weights is not None
+    sinks = sink_weights if has_sink else np.zeros(1, dtype=dtype)
+    want_lse = lse is not None
+    lse_buf = lse if want_lse else np.empty((1, 1), dtype=dtype)
+    kernel = cpu_jit(_flash_kernel, parallel=True)
+    with _blas_single_thread():
+        kernel(
+            q, q_offsets, q_start_pos, item_seq, item_head, item_row0, item_width, starts,
+            layout.k_blocks, layout.v_blocks, layout.page_size, layout.lookup_table,
+            layout.row_base, layout.num_keys, program, additive, bool(has_additive),
+            dtype.type(scale), sinks, has_sink, group, config.block_q, config.block_k,
+            _SUB_Q, dtype == np.float32, out, lse_buf, want_lse,
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Kernel (CPU only) and its helpers.
+# --------------------------------------------------------------------------------------
+_CHUNK = 16  # keys per mask sub-tile when a PARTIAL tile is resolved row by row
+_SUB_Q = 16  # query positions per sub-tile of a PARTIAL tile (each trimmed to its keys)
+
+
+@body
+def _softmax_tile_f32(scores, m_run, l_run, alpha, bits):
+    """Online-softmax step of a float32 tile, vectorised: ``scores`` become ``P``.
+
+    For each row: ``m_new = max(m_run, max_j s_j)``, ``p_j = e^(s_j - m_new)``,
+    ``alpha = e^(m_run - m_new)`` and ``l_run = alpha l_run + sum_j p_j``.  The row maximum
+    is taken on order-preserving integer images of the floats (an integer max vectorises
+    where a float one, which must respect NaN, does not), and ``e^x`` is Cephes' ``expf``:
+    ``x = n ln2 + r``, a degree-6 polynomial for ``e^r`` and ``2^n`` made from exponent bits
+    in ``bits`` (an int32 scratch at least as long as a row).  ``e^x`` is exactly 0 below
+    the float32 range (so for ``-inf``) and NaN propagates.
+    """
+    kw = scores.shape[1]
+    pow2 = bits.view(np.float32)
+    flip = np.int32(0x7FFFFFFF)
+    lo = np.float32(-87.33654)
+    log2e = np.float32(1.44269504088896341)
+    c1 = np.float32(0.693359375)
+    c2 = np.float32(-2.12194440e-4)
+    half = np.float32(0.5)
+    one = np.float32(1.0)
+    p0 = np.float32(1.9875691500e-4)
+    p1 = np.float32(1.3981999507e-3)
+    p2 = np.float32(8.3334519073e-3)
+    p3 = np.float32(4.1665795894e-2)
+    p4 = np.float32(1.6666665459e-1)
+    p5 = np.float32(5.0000001201e-1)
+    for i in range(scores.shape[0]):
+        row = scores[i]
+        row_bits = row.view(np.int32)
+        top = np.int32(-2147483648)
+        for j in range(kw):
+            v = row_bits[j]
+            v = v ^ ((v >> np.int32(31)) & flip)
+            top = max(top, v)
+        bits[0] = top ^ ((top >> np.int32(31)) & flip)
+        tile_max = pow2[0]
+        m_old = m_run[i]
+        m_new = m_old if m_old >= tile_max else tile_max
+        if m_new == -np.inf:  # nothing visible yet
+            for j in range(kw):
+                row[j] = 0
+            alpha[i] = 1
+            continue
+        for j in range(kw):
+            x = row[j] - m_new
+            xc = max(x, lo)
+            n = np.floor(xc * log2e + half)
+            r = xc - n * c1 - n * c2
+            y = (((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5) * (r * r) + r + one
+            bits[j] = 0 if x < lo else (np.int32(n) + np.int32(127)) << np.int32(23)
+            row[j] = x if x != x else y
+        total = np.float32(0.0)
+        for j in range(kw):
+            p = row[j] * pow2[j]
+            row[j] = p
+            total += p
+        a = math.exp(m_old - m_new)
+        alpha[i] = a
+        m_run[i] = m_new
+        l_run[i] = l_run[i] * a + total
+
+
+@body
+def _softmax_tile_f64(scores, m_run, l_run, alpha, bits):
+    """:func:`_softmax_tile_f32` for float64 tiles (``bits`` is an int64 scratch).
+
+    ``e^r`` is Cephes' rational approximation (``exp`` in ``cephes/exp.c``, about 1 ulp) and
+    ``e^x`` is 0 below ``-708`` (where the true value is below the smallest normal double).
+    """
+    kw = scores.shape[1]
+    pow2 = bits.view(np.float64)
+    flip = np.int64(0x7FFFFFFFFFFFFFFF)
+    lo = -708.0
+    log2e = 1.4426950408889634074
+    c1 = 6.93145751953125e-1
+    c2 = 1.42860682030941723212e-6
+    p0 = 1.26177193074810590878e-4
+    p1 = 3.02994407707441961300e-2
+    p2 = 9.99999999999999999910e-1
+    q0 = 3.00198505138664455042e-6
+    q1 = 2.52448340349684104192e-3
+    q2 = 2.27265548208155028766e-1
+    q3 = 2.00000000000000000009e0
+    for i in range(scores.shape[0]):
+        row = scores[i]
+        row_bits = row.view(np.int64)
+        top = np.int64(-9223372036854775808)
+        for j in range(kw):
+            v = row_bits[j]
+            v = v ^ ((v >> np.int64(63)) & flip)
+            top = max(top, v)
+        bits[0] = top ^ ((top >> np.int64(63)) & flip)
+        tile_max = pow2[0]
+        m_old = m_run[i]
+        m_new = m_old if m_old >= tile_max else tile_max
+        if m_new == -np.inf:  # nothing visible yet
+            for j in range(kw):
+                row[j] = 0
+            alpha[i] = 1
+            continue
+        for j in range(kw):
+            x = row[j] - m_new
+            xc = max(x, lo)
+            n = np.floor(xc * log2e + 0.5)
+            r = xc - n * c1 - n * c2
+            rr = r * r
+            px = r * ((p0 * rr + p1) * rr + p2)
+            y = 1.0 + 2.0 * (px / (((q0 * rr + q1) * rr + q2) * rr + q3 - px))
+            bits[j] = 0 if x < lo else (np.int64(n) + np.int64(1023)) << np.int64(52)
+            row[j] = x if x != x else y
+        total = m_new - m_new  # 0 (m_new is finite here)
+        for j in range(kw):
+            p = row[j] * pow2[j]
+            row[j] = p
+            total += p
+        a = math.exp(m_old - m_new)
+        alpha[i] = a
+        m_run[i] = m_new
+        l_run[i] = l_run[i] * a + total
+
+
+@body
+def _visible_span(program, q_idx, k0, kw):
+    """Keys ``[jlo, jhi)`` of ``k0 .. k0 + kw - 1`` that ``q_idx`` sees, as one run.
+
+    Every leaf mask shows a query one run of keys, and ``&`` intersects runs, so a program
+    without ``|`` gives ``(jlo, jhi, True)``, exactly what :func:`mask_visible` says key by
+    key; with a ``|`` it gives ``(0, 0, False)`` and the caller tests each key.
+    """
+    lo = k0
+    hi = k0 + kw
+    for i in range(program.shape[0]):
+        op = program[i, 0]
+        param = program[i, 1]
+        if op == OP_OR:
+            return 0, 0, False
+        if op == OP_CAUSAL:
+            hi = min(hi, q_idx + 1)
+        elif op == OP_SLIDING_WINDOW_CAUSAL:
+            lo = max(lo, q_idx - param + 1)
+            hi = min(hi, q_idx + 1)
+        elif op == OP_CHUNKED:
+            start = (q_idx // param) * param
+            lo = max(lo, start)
+            hi = min(hi, start + param)
+        elif op == OP_CHUNKED_CAUSAL:
+            lo = max(lo, (q_idx // param) * param)
+            hi = min(hi, q_idx + 1)
+    lo = min(max(lo - k0, 0), kw)
+    hi = max(min(hi - k0, kw), lo)
+    return lo, hi, True
+
+
+@body
+def _row_visibility(program, q_idx, k0, kw, visible):
+    """``visible[j]`` for keys ``k0 .. k0 + kw - 1`` of query ``q_idx``, by sub-tiles."""
+    for c0 in range(0, kw, _CHUNK):
+        c1 = min(c0 + _CHUNK, kw)
+        status = mask_tile_status(program, q_idx, q_idx, k0 + c0, k0 + c1 - 1)
+        if status == TILE_PARTIAL:
+            for j in range(c0, c1):
+                visible[j] = mask_visible(program, q_idx, k0 + j)
+        else:
+            for j in range(c0, c1):
+                visible[j] = status == TILE_NONE
+
+
+@body
+def _pv_visible_only(p_tile, v_tile, program, pos0, k0, group, has_additive, additive, bm,
+                     kv_head, row0, pv, visible):
+    """``pv = P V`` reading only each row's visible keys (V holds a NaN or inf).
+
+    Used instead of the GEMM when a partially masked tile's values are not all finite, so
+    that a non-finite value behind the mask (``p = 0``) cannot reach the rows it is hidden
+    from, while a row that sees it still gets NaN, as the reference does.  Rows of
+    ``p_tile`` are stacked position-major: row ``r * group + hl`` is position ``pos0 + r``
+    of head ``kv_head * group + hl``.
+    """
+    kw = v_tile.shape[0]
+    head_dim = v_tile.shape[1]
+    n_hm = additive.shape[1]
+    for r in range(p_tile.shape[0] // group):
+        _row_visibility(program, pos0 + r, k0, kw, visible)
+        for hl in range(group):
+            i = r * group + hl
+            hm = kv_head * group + hl if n_hm > 1 else 0
+            for d in range(head_dim):
+                pv[i, d] = 0
+            for j in range(kw):
+                seen = visible[j]
+                if seen and has_additive:
+                    seen = additive[bm, hm, row0 + r, k0 + j] != -math.inf
+                if seen:
+                    p = p_tile[i, j]
+                    for d in range(head_dim):
+                        pv[i, d] += p * v_tile[j, d]
+
+
+@body
+def _key_extent(program, q0, q1, k0, kw):
+    """Keys ``[ka, kb)`` of a tile that queries ``[q0, q1]`` may see (FULL ends trimmed)."""
+    ka = 0
+    while ka < kw:
+        end = min(ka + _CHUNK, kw)
+        if mask_tile_status(program, q0, q1, k0 + ka, k0 + end - 1) != TILE_FULL:
+            break
+        ka = end
+    kb = kw
+    while kb > ka:
+        start = max(kb - _CHUNK, ka)
+        if mask_tile_status(program, q0, q1, k0 + start, k0 + kb - 1) != TILE_FULL:
+            break
+        kb = start
+    return ka, kb
+
+
+@body
+def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, bits, visible, k_tile,
+               v_tile, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k0, group, program,
+               has_additive, additive, bm, kv_head, row0, single):
+    """One online-softmax step of query positions ``[r0, r1)`` over tile keys ``[ka, kb)``.
+
+    ``S = Q K^T`` and ``acc = alpha acc + P V`` are two BLAS GEMMs on contiguous views of
+    the stacked rows ``[r0 * group, r1 * group)``; ``elementwise`` applies the mask (and the
+    additive tensor) pair by pair in between.
+    """
+    i0 = r0 * group
+    rows = (r1 - r0) * group
+    nk = kb - ka
+    q_rows = q_buf[i0 * head_dim: (i0 + rows) * head_dim].reshape(rows, head_dim)
+    keys = k_tile[ka * head_dim: kb * head_dim].reshape(nk, head_dim)
+    values = v_tile[ka * head_dim: kb * head_dim].reshape(nk, head_dim)
+    scores = s_buf[: rows * nk].reshape(rows, nk)
+    np.dot(q_rows, keys.T, scores)
+    n_hm = additive.shape[1]
+    if elementwise:
+        for r in range(r0, r1):
+            jlo, jhi, is_span = _visible_span(program, pos0 + r, k0 + ka, nk)
+            if not is_span:
+                _row_visibility(program, pos0 + r, k0 + ka, nk, visible)
+            for hl in range(group):
+                i = (r - r0) * group + hl
+                hm = kv_head * group + hl if n_hm > 1 else 0
+                if is_span:
+                    for j in range(jlo):
+                        scores[i, j] = -np.inf
+                    for j in range(jhi, nk):
+                        scores[i, j] = -np.inf
+                    if has_additive:
+                        for j in range(jlo, jhi):
+                            scores[i, j] += additive[bm, hm, row0 + r, k0 + ka + j]
+                    continue
+                for j in range(nk):
+                    if not visible[j]:
+                        scores[i, j] = -np.inf
+                    elif has_additive:
+                        scores[i, j] += additive[bm, hm, row0 + r, k0 + ka + j]
+    m_rows = m_run[i0: i0 + rows]
+    l_rows = l_run[i0: i0 + rows]
+    alpha_rows = alpha[:rows]
+    if single:
+        _softmax_tile_f32(scores, m_rows, l_rows, alpha_rows, bits.view(np.int32))
+    else:
+        _softmax_tile_f64(scores, m_rows, l_rows, alpha_rows, bits)
+    pv = pv_buf[: rows * head_dim].reshape(rows, head_dim)
+    if elementwise and not v_finite:
+        _pv_visible_only(scores, values, program, pos0 + r0, k0 + ka, group, has_additive,
+                         additive, bm, kv_head, row0 + r0, pv, visible)
+    else:
+        np.dot(scores, values, pv)
+    acc = acc_buf[i0 * head_dim: (i0 + rows) * head_dim].reshape(rows, head_dim)
+    for i in range(rows):
+        a = alpha_rows[i]
+        for d in range(head_dim):
+            acc[i, d] = acc[i, d] * a + pv[i, d]
+
+
+def _tile_costs(q_start_pos, num_keys, seq, row0, widths, program, block_k, cost):
+    """``cost[i]``: rows x keys of the key tiles that query tile ``i`` does not skip."""
+    for i in range(seq.shape[0]):
+        b = seq[i]
+        width = widths[i]
+        pos0 = q_start_pos[b] + row0[i]
+        keys = 0
+        for k0 in range(0, num_keys[b], block_k):
+            kw = min(block_k, num_keys[b] - k0)
+            if mask_tile_status(program, pos0, pos0 + width - 1, k0, k0 + kw - 1) != TILE_FULL:
+                keys += kw
+        cost[i] = width * (keys + 1)
+
+
+def _flash_kernel(q, q_offsets, q_start_pos, item_seq, item_head, item_row0, item_width, starts,
+                  k_blocks,
+                  v_blocks, page_size, lookup_table, row_base, num_keys, program, additive,
+                  has_additive, scale, sinks, has_sink, group, block_q, block_k, sub_q,
+                  single, out, lse, want_lse):
+    head_dim = q.shape[2]
+    dtype = q.dtype
+    max_rows = group * block_q
+    for thread in prange(starts.shape[0] - 1):
+        # Scratch of one thread, reused by its items: the stacked query tile, accumulator,
+        # P V product, running max / sum / rescale factors, one tile of scores, K and V.
+        q_buf = np.empty(max_rows * head_dim, dtype=dtype)
+        acc_buf = np.empty(max_rows * head_dim, dtype=dtype)
+        pv_buf = np.empty(max_rows * head_dim, dtype=dtype)
+        s_buf = np.empty(max_rows * block_k, dtype=dtype)
+        row_state = np.empty((3, max_rows), dtype=dtype)
+        k_tile = np.empty(block_k * head_dim, dtype=dtype)
+        v_tile = np.empty(block_k * head_dim, dtype=dtype)
+        bits = np.empty(block_k, dtype=np.int64)
+        visible = np.empty(block_k, dtype=np.bool_)
+        for item in range(starts[thread], starts[thread + 1]):
+            _run_item(q, q_offsets, q_start_pos, item_seq[item], item_head[item], item_row0[item],
+                      item_width[item], k_blocks, v_blocks, page_size, lookup_table, row_base,
+                      num_keys, program, additive, has_additive, scale, sinks, has_sink, group,
+                      block_k, sub_q, single, out, lse, want_lse, q_buf, acc_buf, pv_buf, s_buf,
+                      row_state, k_tile, v_tile, bits, visible)
+
+
+@body
+def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_blocks,
+              page_size, lookup_table, row_base, num_keys, program, additive, has_additive,
+              scale, sinks, has_sink, group, block_k, sub_q, single, out, lse, want_lse, q_buf,
+              acc_buf, pv_buf, s_buf, row_state, k_tile, v_tile, bits, visible):
+    """Compute one work item: ``width`` query rows from ``row0`` of sequence ``b``, one KV head."""
+    head_dim = q.shape[2]
+    zero = scale - scale  # 0 of q's dtype
+    n_bm = additive.shape[0]
+    q_base = q_offsets[b] + row0
+    pos0 = q_start_pos[b] + row0
+    n_keys = num_keys[b]
+    bm = b if n_bm > 1 else 0
+    rows = group * width
+    h0 = kv_head * group
+    # Stacked, pre-scaled query tile, position-major: row r * group + hl holds
+    # position pos0 + r of head h0 + hl (so a run of positions is a run of rows).
+    for r in range(width):
+        for hl in range(group):
+            base = (r * group + hl) * head_dim
+            for d in range(head_dim):
+                q_buf[base + d] = q[q_base + r, h0 + hl, d] * scale
+    for i in range(rows * head_dim):
+        acc_buf[i] = 0
+    m_run = row_state[0]
+    l_run = row_state[1]
+    alpha = row_state[2]
+    for i in range(rows):
+        m_run[i] = -np.inf
+        l_run[i] = 0
+    for k0 in range(0, n_keys, block_k):
+        kw = min(block_k, n_keys - k0)
+        status = mask_tile_status(program, pos0, pos0 + width - 1, k0, k0 + kw - 1)
+        if status == TILE_FULL:
+            continue
+        # Gather the tile's keys and values through the page table.
+        v_check = zero
+        for j in range(kw):
+            page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0 + j)
+            for d in range(head_dim):
+                k_tile[j * head_dim + d] = k_blocks[page, slot, kv_head, d]
+            for d in range(head_dim):
+                x = v_blocks[page, slot, kv_head, d]
+                v_tile[j * head_dim + d] = x
+                v_check += x * zero
+        v_finite = v_check == v_check
+        if status == TILE_NONE and not has_additive:
+            _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, bits, visible,
+                       k_tile, v_tile, head_dim, v_finite, 0, width, 0, kw, False, pos0,
+                       k0, group, program, has_additive, additive, bm, kv_head, row0,
+                       single)
+            continue
+        # Partially masked: blocks of sub_q positions, each trimmed to the keys it sees;
+        # consecutive unmasked blocks run as one taller step.
+        run0 = -1
+        for r0 in range(0, width + sub_q, sub_q):
+            r1 = min(r0 + sub_q, width)
+            sub = TILE_FULL
+            if r0 < width:
+                sub = mask_tile_status(program, pos0 + r0, pos0 + r1 - 1, k0, k0 + kw - 1)
+                if sub == TILE_NONE and not has_additive:
+                    run0 = r0 if run0 < 0 else run0
+                    continue
+            if run0 >= 0:  # flush the unmasked run [run0, r0)
+                _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, bits,
+                           visible, k_tile, v_tile, head_dim, v_finite, run0,
+                           min(r0, width), 0, kw, False, pos0, k0, group, program,
+                           has_additive, additive, bm, kv_head, row0, single)
+                run0 = -1
+            if sub == TILE_FULL:
+                continue
+            ka, kb = _key_extent(program, pos0 + r0, pos0 + r1 - 1, k0, kw)
+            _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, bits, visible,
+                       k_tile, v_tile, head_dim, v_finite, r0, r1, ka, kb, True, pos0, k0,
+                       group, program, has_additive, additive, bm, kv_head, row0,
+                       single)
+    for r in range(width):
+        for hl in range(group):
+            h = h0 + hl
+            i = r * group + hl
+            sink = sinks[h] if has_sink else sinks[0]
+            out_scale, row_lse = finish_row(m_run[i], l_run[i], sink, has_sink)
+            for d in range(head_dim):
+                out[q_base + r, h, d] = acc_buf[i * head_dim + d] * out_scale
+            if want_lse:
+                lse[q_base + r, h] = row_lse

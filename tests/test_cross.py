@@ -1,0 +1,340 @@
+"""cross_attention on the CPU against the float64 reference (queries at ``q_idx = r``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numattn
+from numattn import reference
+from numattn._cuda import CudaUnavailableError, is_available
+from numattn.cross import cross_attention
+from numattn.masks import (
+    CausalMask,
+    ChunkedCausalMask,
+    ChunkedMask,
+    MaterializedMask,
+    NullMask,
+    SlidingWindowCausalMask,
+)
+
+from .utils import assert_close, make_kv, randn
+
+KINDS = ("ragged", "dense", "continuous", "paged")
+MASKS = ("null", "causal", "sliding", "chunked", "chunked_causal", "additive_sn",
+         "additive_bss", "additive_bhss", "causal_and_additive", "chunked_or_sliding")
+DTYPES = (np.float32, np.float64)
+
+
+# --------------------------------------------------------------------------------------
+# Problem builders (also used by test_cross_cuda.py).
+# --------------------------------------------------------------------------------------
+def make_problem(rng, kind, q_lens, kv_lens, cache_lens, num_heads, num_kv_heads, head_dim,
+                 dtype, *, page_size=4, q_pad=1):
+    """Keyword arguments of one cross_attention call, with NaN in every unused slot.
+
+    ``kind``: "ragged" ([T_kv, Hkv, D] rows, no cache), "dense" ([B, N, Hkv, D] padded with
+    NaN past each sequence's kv_len), "continuous" or "paged" (caches holding
+    ``cache_lens[b]`` old tokens followed by the ``kv_lens[b]`` new ones).
+    """
+    q_lens = np.asarray(q_lens, np.int64)
+    kv_lens = np.asarray(kv_lens, np.int64)
+    cache_lens = np.asarray(cache_lens, np.int64)
+    batch = q_lens.shape[0]
+    q_offsets = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+    kv_offsets = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int64)
+    q = randn(rng, (int(q_offsets[-1]), num_heads, head_dim), dtype)
+    if kind == "ragged":
+        assert not cache_lens.any()
+        k = randn(rng, (int(kv_offsets[-1]), num_kv_heads, head_dim), dtype)
+        v = randn(rng, (int(kv_offsets[-1]), num_kv_heads, head_dim), dtype)
+    elif kind == "dense":
+        assert not cache_lens.any()
+        n = int(kv_lens.max(initial=0)) + 2
+        k = np.full((batch, n, num_kv_heads, head_dim), np.nan, dtype)
+        v = np.full_like(k, np.nan)
+        for b in range(batch):
+            k[b, : kv_lens[b]] = randn(rng, (kv_lens[b], num_kv_heads, head_dim), dtype)
+            v[b, : kv_lens[b]] = randn(rng, (kv_lens[b], num_kv_heads, head_dim), dtype)
+    else:
+        k, v = make_kv(rng, kind, cache_lens, kv_lens, num_kv_heads, head_dim, dtype,
+                       page_size=page_size)
+    return {
+        "q": q, "q_input_row_offsets": q_offsets,
+        "q_max_seq_len": int(q_lens.max(initial=0)) + q_pad, "k": k, "v": v,
+        "kv_input_row_offsets": kv_offsets,
+    }
+
+
+def num_keys_of(problem):
+    k = problem["k"]
+    kv_lens = np.diff(problem["kv_input_row_offsets"])
+    cache = k.cache_lengths if hasattr(k, "cache_lengths") else 0
+    return cache + kv_lens
+
+
+def make_mask(rng, name, problem, num_heads):
+    """A mask by name; additive tensors are padded to q_max_seq_len and the largest key count."""
+    batch = problem["q_input_row_offsets"].shape[0] - 1
+    dtype = problem["q"].dtype
+    s = problem["q_max_seq_len"]
+    n = int(num_keys_of(problem).max(initial=0)) + 1
+
+    def additive(shape):
+        t = randn(rng, shape, dtype)
+        t[rng.random(shape) < 0.25] = -np.inf
+        return t
+
+    return {
+        "null": NullMask(),
+        "causal": CausalMask(),
+        "sliding": SlidingWindowCausalMask(3),
+        "chunked": ChunkedMask(4),
+        "chunked_causal": ChunkedCausalMask(3),
+        "additive_sn": additive((s, n)),
+        "additive_bss": additive((batch, s, n)),
+        "additive_bhss": MaterializedMask(additive((batch, num_heads, s, n))),
+        "causal_and_additive": CausalMask() & MaterializedMask(additive((batch, s, n))),
+        "chunked_or_sliding": ChunkedMask(4) | SlidingWindowCausalMask(2),
+    }[name]
+
+
+def check(problem, mask=None, *, device="cpu", config=None, **kwargs):
+    """Run cross_attention and compare out and lse with the reference; returns (out, lse)."""
+    mask = NullMask() if mask is None else mask
+    out, lse = cross_attention(**problem, mask=mask, device=device, config=config,
+                               return_lse=True, **kwargs)
+    ref_out, ref_lse = reference.cross_attention(**problem, mask=mask, return_lse=True)
+    dtype = problem["q"].dtype
+    out = out.copy_to_host() if hasattr(out, "copy_to_host") else out
+    lse = lse.copy_to_host() if hasattr(lse, "copy_to_host") else lse
+    assert out.dtype == dtype and lse.dtype == dtype
+    assert_close(out, ref_out, dtype)
+    assert_close(lse, ref_lse, dtype, what="lse")
+    return out, lse
+
+
+# Sequences: some with zero queries, one with zero keys, caches crossing pages of 4.
+Q_LENS = (3, 0, 5, 2, 4)
+KV_LENS = (4, 3, 0, 6, 2)
+CACHE_LENS = (9, 2, 0, 6, 0)
+
+
+def standard_problem(rng, kind, dtype, num_heads=6, num_kv_heads=2, head_dim=5):
+    cache = (0,) * len(CACHE_LENS) if kind in ("ragged", "dense") else CACHE_LENS
+    return make_problem(rng, kind, Q_LENS, KV_LENS, cache, num_heads, num_kv_heads, head_dim,
+                        dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Numerics.
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask_name", MASKS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_reference(kind, mask_name, dtype, rng):
+    problem = standard_problem(rng, kind, dtype)
+    out, lse = check(problem, make_mask(rng, mask_name, problem, 6),
+                     config=numattn.MHAConfig(block_q=2, block_k=3))
+    # The sequence with zero keys (index 2, rows 3..7) gives 0 and -inf, never NaN.
+    assert np.all(out[3:8] == 0) and np.all(lse[3:8] == -np.inf)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
+def test_gqa_groups(group, rng):
+    problem = make_problem(rng, "paged", (3, 5), (2, 4), (7, 1), 2 * group, 2, 8, np.float32)
+    check(problem, CausalMask(), config=numattn.MHAConfig(block_q=2, block_k=4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_max_shapes_paged_128(dtype, rng):
+    """MAX's test: 16 query heads, 4 KV heads, D = 128, pages of 128, caches of 37 and 129."""
+    problem = make_problem(rng, "paged", (5, 33), (7, 40), (37, 129), 16, 4, 128, dtype,
+                           page_size=128)
+    check(problem, NullMask())
+    check(problem, CausalMask())
+
+
+def test_page_size_4_many_crossings(rng):
+    problem = make_problem(rng, "paged", (9, 1, 14), (13, 2, 30), (29, 3, 41), 4, 2, 7,
+                           np.float64, page_size=4)
+    check(problem, NullMask(), config=numattn.MHAConfig(block_q=4, block_k=5))
+    check(problem, ChunkedCausalMask(5), config=numattn.MHAConfig(block_q=3, block_k=8))
+
+
+@pytest.mark.parametrize("cache_batch", [0, 2])
+def test_zero_sequence_batch_leaves_out_untouched(cache_batch, rng):
+    """No sequences: returns at once; the caches may describe any number of sequences."""
+    h, hkv, d = 16, 4, 128
+    kb = np.full((3, 128, hkv, d), np.nan, np.float32)
+    lengths = np.array([37, 129][:cache_batch], np.int64)
+    table = np.zeros((cache_batch, 2), np.int64)
+    k = numattn.PagedKVCache(kb, lengths, table)
+    v = numattn.PagedKVCache(kb.copy(), lengths, table)
+    q = np.empty((0, h, d), np.float32)
+    out = np.full((0, h, d), 7.0, np.float32)
+    result = cross_attention(q, np.array([0]), 0, k, v, np.array([0]), out=out)
+    assert result is out
+    res, lse = cross_attention(q, np.array([0], np.uint32), 4, k, v, np.array([0]),
+                               return_lse=True)
+    assert res.shape == (0, h, d) and lse.shape == (0, h)
+
+
+def test_zero_query_rows_and_zero_keys(rng):
+    # Every sequence without queries: nothing is written.
+    problem = make_problem(rng, "paged", (0, 0), (3, 0), (2, 0), 4, 2, 3, np.float32)
+    out = np.full((0, 4, 3), 5.0, np.float32)
+    assert cross_attention(**problem, out=out) is out
+    # Queries whose sequence has no keys at all: 0 and lse -inf, even with an additive mask.
+    problem = make_problem(rng, "ragged", (2, 3), (0, 0), (0, 0), 4, 2, 3, np.float32)
+    out, lse = check(problem, make_mask(rng, "additive_bss", problem, 4))
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+def check_zero_heads(rng, device):
+    problem = make_problem(rng, "paged", (2, 1), (1, 2), (3, 0), 0, 2, 3, np.float32)
+    out, lse = cross_attention(**problem, device=device, return_lse=True)
+    assert out.shape == (3, 0, 3) and lse.shape == (3, 0)
+
+
+def test_zero_heads(rng):
+    check_zero_heads(rng, "cpu")
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+def test_nan_in_hidden_keys_never_reaches_output(kind, rng):
+    """Causal with q_idx = r: keys at positions >= q_len are hidden from every row."""
+    cache = (0, 0) if kind == "ragged" else (4, 6)
+    problem = make_problem(rng, kind, (3, 4), (5, 2), cache, 4, 2, 6, np.float64)
+    q_lens = np.diff(problem["q_input_row_offsets"])
+    num_keys = num_keys_of(problem)
+    for b in range(2):
+        for t in range(int(q_lens[b]), int(num_keys[b])):
+            for x in (problem["k"], problem["v"]):
+                if kind == "ragged":
+                    x[problem["kv_input_row_offsets"][b] + t] = np.nan
+                else:
+                    page = x.lookup_table[b, t // x.page_size]
+                    x.blocks[page, t % x.page_size] = np.nan
+    out, _ = check(problem, CausalMask(), config=numattn.MHAConfig(block_q=2, block_k=2))
+    assert np.all(np.isfinite(out))
+
+
+def test_nan_in_visible_input_propagates(rng):
+    problem = make_problem(rng, "ragged", (2, 3), (4, 4), (0, 0), 2, 1, 4, np.float32)
+    problem["q"][3, 1, 2] = np.nan  # second sequence, row 1, head 1
+    out, lse = check(problem)
+    assert np.all(np.isnan(out[3, 1])) and np.isnan(lse[3, 1])
+    assert np.all(np.isfinite(np.delete(out.reshape(-1, 4), 3 * 2 + 1, axis=0)))
+
+
+def test_dense_keys_with_and_without_offsets(rng):
+    problem = make_problem(rng, "dense", (2, 3), (4, 1), (0, 0), 4, 4, 5, np.float64)
+    check(problem, CausalMask())
+    k = problem["k"]
+    k[np.isnan(k)] = 0.5
+    problem["v"][np.isnan(problem["v"])] = -0.25
+    problem["kv_input_row_offsets"] = None  # all N rows are keys
+    out = cross_attention(**problem)
+    n = k.shape[1]
+    ref = reference.cross_attention(**{**problem, "kv_input_row_offsets": [0, n, 2 * n]})
+    assert_close(out, ref, np.float64)
+
+
+def test_cache_without_kv_offsets_uses_q_lengths(rng):
+    problem = make_problem(rng, "continuous", (2, 3), (2, 3), (4, 1), 4, 2, 5, np.float64)
+    expected = reference.cross_attention(**problem)
+    out = cross_attention(**{**problem, "kv_input_row_offsets": None})
+    assert_close(out, expected, np.float64)
+
+
+def test_out_scale_and_lse(rng):
+    problem = make_problem(rng, "paged", (3, 2), (2, 5), (3, 0), 4, 2, 6, np.float32)
+    out = np.full((5, 4, 6), np.nan, np.float32)
+    result, lse = cross_attention(**problem, scale=0.3, out=out, return_lse=True)
+    assert result is out
+    ref_out, ref_lse = reference.cross_attention(**problem, scale=0.3, return_lse=True)
+    assert_close(out, ref_out, np.float32)
+    assert_close(lse, ref_lse, np.float32, what="lse")
+    plain = cross_attention(**problem, scale=0.3)
+    assert isinstance(plain, np.ndarray) and plain.shape == (5, 4, 6)
+
+
+def test_config_does_not_change_results(rng):
+    problem = standard_problem(rng, "paged", np.float64)
+    mask = SlidingWindowCausalMask(4)
+    base = cross_attention(**problem, mask=mask)
+    for cfg in (numattn.MHAConfig(block_q=1, block_k=1), numattn.MHAConfig(block_q=7,
+                                                                           block_k=2)):
+        assert_close(cross_attention(**problem, mask=mask, config=cfg), base, np.float64,
+                     tol=1e-12)
+
+
+# --------------------------------------------------------------------------------------
+# Errors: raised before any work, nothing written to out.
+# --------------------------------------------------------------------------------------
+def _bad_cases(problem):
+    q = problem["q"]
+    k = problem["k"]
+    return [
+        ({"q": q[:, :, :, None]}, ValueError, "q must be 3-d"),
+        ({"q": q.astype(np.int32)}, TypeError, "q must be float32 or float64"),
+        ({"q": q[:, :, :0]}, ValueError, "D >= 1"),
+        ({"q": q.astype(np.float64)}, TypeError, "dtype float64"),
+        ({"q_input_row_offsets": [0, 2, 1, 5]}, ValueError, "non-decreasing"),
+        ({"q_input_row_offsets": [0, 3]}, ValueError, r"q_input_row_offsets\[-1\]"),
+        ({"q_input_row_offsets": [1, 3, 5]}, ValueError, r"q_input_row_offsets\[0\]"),
+        ({"q_input_row_offsets": np.array([0.0, 2.0, 5.0])}, TypeError, "integer dtype"),
+        ({"q_max_seq_len": 2}, ValueError, "q_max_seq_len must be >= every"),
+        ({"q_max_seq_len": 3.0}, TypeError, "q_max_seq_len must be an integer"),
+        ({"kv_input_row_offsets": [0, 3]}, ValueError, "length B \\+ 1 = 3"),
+        ({"kv_input_row_offsets": [0, 4, 3]}, ValueError, "non-decreasing"),
+        ({"kv_input_row_offsets": [0, 2, 30]}, ValueError, "sequence 1 needs"),
+        ({"k": k.with_cache_lengths(k.cache_lengths + 1)}, ValueError, "share cache_lengths"),
+        ({"v": numattn.PagedKVCache(k.blocks.astype(np.float64), k.cache_lengths,
+                                    k.lookup_table)}, TypeError, "same shape|dtype"),
+        ({"k": np.zeros((5, 2, 3), np.float32)}, TypeError, "same kind"),
+        ({"mask": np.zeros((2, 3), np.float32)}, ValueError, "must cover"),
+        ({"mask": np.zeros((3, 9, 9), np.float32)}, ValueError, "B = 2"),
+        ({"mask": np.zeros((9, 9), np.float64)}, TypeError, "dtype float32"),
+        ({"mask": "causal"}, TypeError, "mask must be a numattn mask"),
+        ({"scale": float("nan")}, ValueError, "scale must be finite"),
+        ({"device": "gpu"}, ValueError, "device must be"),
+        ({"config": {"block_k": 4}}, TypeError, "config must be an MHAConfig"),
+        ({"return_lse": "yes"}, TypeError, "return_lse must be a bool"),
+        ({"out": np.zeros((5, 4, 6), np.float32)}, ValueError, "out must have shape"),
+        ({"out": np.zeros((5, 4, 3), np.float64)}, TypeError, "out must have dtype"),
+        ({"out": np.zeros((5, 3, 4), np.float32).transpose(0, 2, 1)}, ValueError,
+         "C-contiguous"),
+        ({"out": q}, ValueError, "out must not overlap q"),
+    ]
+
+
+def test_errors_leave_out_untouched(rng):
+    problem = make_problem(rng, "paged", (2, 3), (1, 2), (3, 4), 4, 2, 3, np.float32)
+    sentinel = np.full((5, 4, 3), 123.0, np.float32)
+    for change, exc, match in _bad_cases(problem):
+        out = sentinel.copy() if "out" not in change else change["out"]
+        kwargs = {**problem, "out": out, **change}
+        before = np.array(out, copy=True)
+        with pytest.raises(exc, match=match):
+            cross_attention(**kwargs)
+        assert np.array_equal(np.asarray(out), before, equal_nan=True), change.keys()
+
+
+def test_head_count_errors(rng):
+    problem = make_problem(rng, "ragged", (2, 3), (1, 2), (0, 0), 3, 2, 4, np.float64)
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+        cross_attention(**problem)
+    problem = make_problem(rng, "ragged", (2, 3), (1, 2), (0, 0), 4, 2, 4, np.float64)
+    with pytest.raises(ValueError, match="head dimension D = 5"):
+        cross_attention(**{**problem, "q": randn(rng, (5, 4, 5), np.float64)})
+    with pytest.raises(ValueError, match="kv_input_row_offsets"):
+        cross_attention(**{**problem, "kv_input_row_offsets": None})
+
+
+@pytest.mark.skipif(is_available(), reason="CUDA (or the simulator) is available here")
+def test_cuda_requested_without_cuda(rng):
+    problem = make_problem(rng, "ragged", (2,), (3,), (0,), 2, 1, 4, np.float32)
+    with pytest.raises(CudaUnavailableError, match="no CUDA GPU"):
+        cross_attention(**problem, device="cuda")

@@ -1,0 +1,301 @@
+"""decode_attention on the CPU against the float64 reference: every cache kind, mask, GQA
+group, dtype and partition count; sinks, NaN in unused or hidden slots, lse, out=, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numattn
+from numattn import (
+    CausalMask,
+    ChunkedCausalMask,
+    ChunkedMask,
+    MaterializedMask,
+    MHAConfig,
+    NullMask,
+    SlidingWindowCausalMask,
+)
+from numattn.decode import decode_attention
+
+from .utils import CACHE_KINDS, assert_close, make_kv, randn
+
+DTYPES = [np.float32, np.float64]
+PARTITIONS = [1, 2, 5, 32]
+SMALL = MHAConfig(block_k=4)  # several key tiles (and aligned partitions) on small caches
+
+
+def masks_for(batch, num_heads, num_keys, dtype, rng):
+    """Every kind of mask, with an additive tensor covering ``num_keys`` keys."""
+    bias = randn(rng, (batch, num_heads, 1, num_keys), dtype)
+    bias[..., ::3] = -np.inf
+    return [
+        NullMask(),
+        CausalMask(),
+        SlidingWindowCausalMask(5),
+        ChunkedMask(6),
+        ChunkedCausalMask(4),
+        MaterializedMask(bias),
+        MaterializedMask(bias[:, 0]) & SlidingWindowCausalMask(9),
+        (CausalMask() & ChunkedMask(8)) | SlidingWindowCausalMask(3),
+        bias[0, 0],  # a plain [S=1, N] array is an additive mask
+    ]
+
+
+def lengths_for(kind):
+    # cache lengths 0 and 1, and sequences ending right before, on and after page boundaries
+    return [12, 12, 12] if kind == "dense" else [0, 1, 7, 8, 16, 30]
+
+
+@pytest.mark.parametrize("kind", CACHE_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference_every_mask_and_partition_count(kind, dtype, rng):
+    lengths = lengths_for(kind)
+    batch, kv_heads, group, head_dim = len(lengths), 2, 3, 16
+    k, v = make_kv(rng, kind, lengths, [1] * batch, kv_heads, head_dim, dtype, page_size=8)
+    q = randn(rng, (batch, kv_heads * group, head_dim), dtype)
+    num_keys = (k.shape[1] if kind == "dense" else max(lengths) + 1)
+    for mask in masks_for(batch, kv_heads * group, num_keys, dtype, rng):
+        ref_out, ref_lse = numattn.reference.decode_attention(q, k, v, mask, return_lse=True)
+        for parts in PARTITIONS:
+            out, lse = decode_attention(q, k, v, mask, num_partitions=parts, return_lse=True,
+                                        config=SMALL)
+            assert out.dtype == dtype and lse.dtype == dtype
+            assert_close(out, ref_out, dtype, what=f"{mask!r:.60} P={parts}")
+            assert_close(lse, ref_lse, dtype, what=f"lse {mask!r:.60} P={parts}")
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_gqa_groups(group, rng):
+    dtype = np.float32
+    kv_heads = 8 // group if group < 8 else 1
+    k, v = make_kv(rng, "paged", [5, 40, 129], [1, 1, 1], kv_heads, 24, dtype, page_size=16)
+    q = randn(rng, (3, kv_heads * group, 24), dtype)
+    scale = 0.3
+    ref = numattn.reference.decode_attention(q, k, v, CausalMask(), scale)
+    for parts in (1, 3):
+        out = decode_attention(q, k, v, CausalMask(), scale, num_partitions=parts)
+        assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize(("head_dim", "group", "kv_heads"), [(1, 5, 1), (63, 5, 2), (300, 2, 3)])
+def test_odd_head_dims_and_groups(head_dim, group, kv_heads, rng):
+    k, v = make_kv(rng, "paged", [0, 2, 6, 133], [1] * 4, kv_heads, head_dim, np.float64,
+                   page_size=5)
+    q = randn(rng, (4, kv_heads * group, head_dim), np.float64)
+    ref = numattn.reference.decode_attention(q, k, v, SlidingWindowCausalMask(100))
+    for parts in (1, 2):
+        out = decode_attention(q, k, v, SlidingWindowCausalMask(100), num_partitions=parts)
+        assert_close(out, ref, np.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_caches_and_default_config(dtype, rng):
+    """Up to 5000 keys, pages of 128, the default block_k, partitions 1..32 and automatic."""
+    lengths = [4999, 3000, 127, 128]
+    k, v = make_kv(rng, "paged", lengths, [1] * 4, 2, 64, dtype, page_size=128)
+    q = randn(rng, (4, 8, 64), dtype)
+    for mask in (CausalMask(), SlidingWindowCausalMask(700)):
+        ref = numattn.reference.decode_attention(q, k, v, mask)
+        for parts in [*PARTITIONS, 64, None]:
+            assert_close(decode_attention(q, k, v, mask, num_partitions=parts), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliding_window_512_at_1025_keys_with_nan_in_hidden_keys(dtype, rng):
+    """The MAX case that once gave NaN; the hidden keys even hold NaN here."""
+    k = randn(rng, (2, 1025, 2, 32), dtype)
+    v = randn(rng, (2, 1025, 2, 32), dtype)
+    q = randn(rng, (2, 4, 32), dtype)
+    mask = SlidingWindowCausalMask(512)
+    ref_out, ref_lse = numattn.reference.decode_attention(q, k, v, mask, return_lse=True)
+    k[:, :1025 - 512] = np.nan
+    v[:, :1025 - 512] = np.inf
+    for parts in PARTITIONS:
+        out, lse = decode_attention(q, k, v, mask, num_partitions=parts, return_lse=True)
+        assert np.all(np.isfinite(out))
+        assert_close(out, ref_out, dtype)
+        assert_close(lse, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("fill", [np.nan, np.inf])
+def test_unused_slots_never_reach_the_output(fill, rng):
+    for kind in ("continuous", "paged"):
+        k, v = make_kv(rng, kind, [0, 5, 9], [1, 1, 1], 2, 8, np.float64, page_size=4,
+                       fill=fill)
+        q = randn(rng, (3, 4, 8), np.float64)
+        for parts in (1, 4):
+            out = decode_attention(q, k, v, NullMask(), num_partitions=parts, config=SMALL)
+            assert np.all(np.isfinite(out))
+            assert_close(out, numattn.reference.decode_attention(q, k, v), np.float64)
+
+
+def test_nan_in_a_visible_key_propagates_to_its_heads_only(rng):
+    k = randn(rng, (2, 20, 2, 8), np.float64)
+    v = randn(rng, (2, 20, 2, 8), np.float64)
+    q = randn(rng, (2, 4, 8), np.float64)
+    k[0, 13, 1, 2] = np.nan  # sequence 0, KV head 1 (query heads 2 and 3)
+    v[1, 3, 0, 5] = np.nan  # sequence 1, KV head 0, dim 5 (query heads 0 and 1)
+    for parts in (1, 3):
+        out = decode_attention(q, k, v, num_partitions=parts, config=SMALL)
+        assert np.all(np.isnan(out[0, 2:])) and np.all(np.isfinite(out[0, :2]))
+        assert np.all(np.isnan(out[1, :2, 5])) and np.isfinite(out[1, :2, :5]).all()
+        assert np.all(np.isfinite(out[1, 2:]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinks_counted_once(dtype, rng):
+    lengths = [0, 3, 40, 200]
+    k, v = make_kv(rng, "paged", lengths, [1] * 4, 2, 16, dtype, page_size=16)
+    q = randn(rng, (4, 4, 16), dtype)
+    sinks = (randn(rng, (4,), dtype) * 2).astype(dtype)
+    for mask in (CausalMask(), SlidingWindowCausalMask(30)):
+        ref_out, ref_lse = numattn.reference.decode_attention(q, k, v, mask, sink_weights=sinks,
+                                                              return_lse=True)
+        for parts in PARTITIONS:
+            out, lse = decode_attention(q, k, v, mask, sink_weights=sinks, num_partitions=parts,
+                                        return_lse=True, config=SMALL)
+            assert_close(out, ref_out, dtype)
+            assert_close(lse, ref_lse, dtype)
+
+
+def test_sink_closed_form():
+    """scale = 0 and V = 1 at 64 keys: each head gives 64 / (64 + e^sigma)."""
+    k = np.random.default_rng(1).standard_normal((1, 64, 1, 8))
+    v = np.ones((1, 64, 1, 8))
+    q = np.random.default_rng(2).standard_normal((1, 2, 8))
+    for parts in (1, 2, 5, 32):
+        out = decode_attention(q, k, v, scale=0.0, sink_weights=np.array([5.0, 3.0]),
+                               num_partitions=parts, config=SMALL)
+        np.testing.assert_allclose(out[0, :, 0], [64 / (64 + np.e**5), 64 / (64 + np.e**3)])
+        np.testing.assert_allclose(out[0, :, 0], [0.3013, 0.7611], atol=5e-5)
+
+
+def test_rows_with_no_visible_key(rng):
+    q = randn(rng, (2, 2, 4), np.float32)
+    k = randn(rng, (2, 6, 1, 4), np.float32)
+    bias = np.full((2, 1, 6), -np.inf, np.float32)
+    bias[1, 0, 2] = 0.5  # sequence 1 sees one key
+    sinks = np.array([0.25, -1.0], np.float32)
+    for parts in (1, 2):
+        out, lse = decode_attention(q, k, k, bias, num_partitions=parts, return_lse=True,
+                                    config=SMALL)
+        assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
+        np.testing.assert_allclose(out[1], np.broadcast_to(k[1, 2, 0], (2, 4)), rtol=1e-6)
+        out, lse = decode_attention(q, k, k, bias, sink_weights=sinks, return_lse=True)
+        assert np.all(out[0] == 0) and np.array_equal(lse[0], sinks)
+    empty = np.zeros((2, 0, 1, 4), np.float32)  # dense with N = 0 keys
+    out, lse = decode_attention(q, empty, empty, return_lse=True)
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+def test_empty_batch():
+    q = np.zeros((0, 4, 8), np.float32)
+    k = np.zeros((0, 5, 2, 8), np.float32)
+    out, lse = decode_attention(q, k, k, return_lse=True)
+    assert out.shape == (0, 4, 8) and lse.shape == (0, 4)
+
+
+@pytest.mark.parametrize("kind", ["continuous", "paged"])
+def test_additive_mask_shapes(kind, rng):
+    k, v = make_kv(rng, kind, [3, 10], [1, 1], 2, 8, np.float32, page_size=4)
+    q = randn(rng, (2, 4, 8), np.float32)
+    for shape in [(1, 11), (2, 1, 12), (2, 4, 1, 11)]:
+        bias = randn(rng, shape, np.float32)
+        bias[..., 1] = -np.inf
+        ref = numattn.reference.decode_attention(q, k, v, MaterializedMask(bias))
+        out = decode_attention(q, k, v, MaterializedMask(bias), num_partitions=2, config=SMALL)
+        assert_close(out, ref, np.float32)
+
+
+def test_out_and_repeatability(rng):
+    k, v = make_kv(rng, "paged", [100, 37, 64], [1, 1, 1], 2, 32, np.float32, page_size=16)
+    q = randn(rng, (3, 8, 32), np.float32)
+    out = np.full((3, 8, 32), 7.0, np.float32)
+    result = decode_attention(q, k, v, CausalMask(), num_partitions=5, out=out, config=SMALL)
+    assert result is out
+    again = decode_attention(q, k, v, CausalMask(), num_partitions=5, config=SMALL)
+    assert np.array_equal(again, out)  # bitwise, for a fixed partition count
+    import numba
+
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        single = decode_attention(q, k, v, CausalMask(), num_partitions=5, config=SMALL)
+    finally:
+        numba.set_num_threads(threads)
+    assert np.array_equal(single, out)
+    # config.num_partitions is the default for the argument; an explicit argument wins
+    from_config = decode_attention(q, k, v, CausalMask(),
+                                   config=MHAConfig(block_k=4, num_partitions=5))
+    assert np.array_equal(from_config, out)
+    explicit = decode_attention(q, k, v, CausalMask(), num_partitions=1,
+                                config=MHAConfig(block_k=4, num_partitions=5))
+    assert_close(explicit, numattn.reference.decode_attention(q, k, v, CausalMask()),
+                 np.float32)
+
+
+def test_errors_write_nothing(rng):
+    k, v = make_kv(rng, "paged", [3, 4], [1, 1], 2, 8, np.float32, page_size=4)
+    q = randn(rng, (2, 4, 8), np.float32)
+    out = np.full((2, 4, 8), 3.0, np.float32)
+    cases = [
+        (ValueError, "num_partitions must be an integer >= 1", dict(num_partitions=0)),
+        (TypeError, "num_partitions must be an integer", dict(num_partitions=2.5)),
+        (TypeError, "num_partitions must be an integer", dict(num_partitions=True)),
+        (ValueError, "device must be", dict(device="gpu")),
+        (TypeError, "sink_weights", dict(sink_weights=np.zeros(4, np.int32))),
+        (ValueError, "sink_weights", dict(sink_weights=np.zeros(3, np.float32))),
+        (TypeError, "scale", dict(scale="big")),
+        (TypeError, "config", dict(config={"block_k": 4})),
+        (TypeError, "return_lse", dict(return_lse="yes")),
+        (ValueError, "additive mask must cover", dict(mask=np.zeros((1, 3), np.float32))),
+        (TypeError, "dtype float32", dict(mask=np.zeros((1, 5), np.float64))),
+    ]
+    for exc, match, kwargs in cases:
+        with pytest.raises(exc, match=match):
+            decode_attention(q, k, v, out=out, **kwargs)
+    with pytest.raises(ValueError, match="out must have shape"):
+        decode_attention(q, k, v, out=np.zeros((2, 4, 7), np.float32))
+    with pytest.raises(TypeError, match="out must have dtype"):
+        decode_attention(q, k, v, out=np.zeros((2, 4, 8), np.float64))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        decode_attention(q, k, v, out=np.zeros((2, 8, 4), np.float32).transpose(0, 2, 1))
+    with pytest.raises(ValueError, match="q must be 3-d"):
+        decode_attention(q[:, None], k, v, out=out)
+    with pytest.raises(TypeError, match="q must be float32 or float64"):
+        decode_attention(q.astype(np.int32), k, v)
+    with pytest.raises(TypeError, match="dtype float32"):
+        decode_attention(q, k.blocks.astype(np.float64), v.blocks.astype(np.float64))
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+        decode_attention(q[:, :3], k, v)
+    with pytest.raises(ValueError, match="head dimension"):
+        decode_attention(q[:, :, :6].copy(), k, v, out=out)
+    with pytest.raises(ValueError, match="k must be 4-d"):
+        decode_attention(q, k.blocks[:, 0], v.blocks[:, 0], out=out)
+    with pytest.raises(ValueError, match=r"k must have shape \[B=2"):
+        decode_attention(q, k.blocks[:1], v.blocks[:1], out=out)
+    too_long = numattn.PagedKVCache(k.blocks, np.array([3, 40]), k.lookup_table)
+    with pytest.raises(ValueError, match="sequence 1 needs 41 tokens"):
+        decode_attention(q, too_long, too_long, out=out)
+    assert np.all(out == 3.0)
+
+
+def test_cuda_request_without_a_gpu_says_so(rng):
+    from numattn import _cuda
+
+    if _cuda.is_available():
+        pytest.skip("CUDA (or its simulator) is available here")
+    q = randn(rng, (1, 2, 4), np.float32)
+    k = randn(rng, (1, 3, 1, 4), np.float32)
+    with pytest.raises(_cuda.CudaUnavailableError, match="no CUDA GPU"):
+        decode_attention(q, k, k, device="cuda")
+
+
+def test_minus_inf_sink_on_a_fully_masked_row_is_no_sink(rng):
+    q = rng.standard_normal((1, 2, 4)).astype(np.float32)
+    kv = rng.standard_normal((1, 3, 2, 4)).astype(np.float32)
+    hidden = np.full((1, 1, 3), -np.inf, np.float32)
+    sinks = np.array([-np.inf, 0.5], np.float32)
+    out, lse = decode_attention(q, kv, kv, hidden, sink_weights=sinks, return_lse=True)
+    assert np.all(out == 0) and lse[0, 0] == -np.inf and lse[0, 1] == 0.5

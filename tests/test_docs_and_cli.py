@@ -1,0 +1,90 @@
+"""The documentation's code runs as written, and the command line works."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _python_blocks(text, fence):
+    if fence == "md":
+        return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    blocks = []
+    for match in re.finditer(r"\.\. code-block:: python\n\n((?:   .*\n|\n)+)", text):
+        lines = [line[3:] if line.startswith("   ") else line for line in
+                 match.group(1).splitlines()]
+        blocks.append("\n".join(lines))
+    return blocks
+
+
+def test_readme_example_runs():
+    blocks = _python_blocks((ROOT / "README.md").read_text(), "md")
+    assert blocks, "the README has a Python example"
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
+
+
+def test_tutorial_runs_in_order():
+    blocks = _python_blocks((ROOT / "docs" / "tutorial.rst").read_text(), "rst")
+    assert len(blocks) >= 5
+    scope = {}
+    for block in blocks:
+        exec(compile(block, "docs/tutorial.rst", "exec"), scope)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "numattn", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+
+
+def test_cli_demo_runs_and_checks_every_step():
+    result = _cli("demo", "--batch", "3", "--new-tokens", "4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tokens/s" in result.stdout
+    assert "PASS" in result.stdout
+
+
+def test_cli_check_passes_on_cpu():
+    result = _cli("check", "--cpu-only")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "FAIL" not in result.stdout
+    assert re.search(r"^\d+ passed, 0 failed$", result.stdout, flags=re.M)
+
+
+def test_check_reports_failures(monkeypatch):
+    from numattn import check
+
+    monkeypatch.setattr(check, "TOLERANCE", {k: -1.0 for k in check.TOLERANCE})
+    rows = check.run_checks(cuda=False)
+    assert rows and not any(row.passed for row in rows)
+
+
+def test_cli_bench_quick_writes_json(tmp_path):
+    path = tmp_path / "bench.json"
+    result = _cli("bench", "--quick", "--only", "decode B=8", "--repeat", "1",
+                  "--json", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    import json
+
+    data = json.loads(path.read_text())
+    assert data["limits"]["gemm_gflops"] > 0 and data["limits"]["read_gbs"] > 0
+    assert [r["name"] for r in data["results"]] == ["decode B=8 N=1024"]
+    assert data["results"][0]["rate"] > 0
+
+
+def test_cli_usage_errors():
+    result = _cli("nonsense")
+    assert result.returncode == 2
+    assert "invalid choice" in result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--help"])
+def test_cli_help(flag):
+    result = _cli(flag)
+    assert result.returncode == 0 and "check" in result.stdout and "demo" in result.stdout
