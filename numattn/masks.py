@@ -154,7 +154,15 @@ def mask_tile_status(program, q0, q1, k0, k1):
 # User-facing dataclasses.
 # --------------------------------------------------------------------------------------
 class Mask:
-    """Base class of every mask; supports ``a & b`` (both visible) and ``a | b`` (either)."""
+    """Base class of every mask; supports ``a & b`` (both visible) and ``a | b`` (either).
+
+    Examples
+    --------
+    >>> from numattn import CausalMask, Mask, SlidingWindowCausalMask
+    >>> mask = CausalMask() & SlidingWindowCausalMask(3)
+    >>> isinstance(mask, Mask), mask.visible(4, [1, 2, 4]).tolist()
+    (True, [False, True, True])
+    """
 
     def __and__(self, other):
         _check_mask_operand(other, "&")
@@ -363,6 +371,12 @@ class AndMask(Mask):
     ----------
     left, right : Mask
         The combined masks.
+
+    Examples
+    --------
+    >>> from numattn import CausalMask, ChunkedMask
+    >>> (CausalMask() & ChunkedMask(4)).visible(5, [2, 4, 5, 6]).tolist()
+    [False, True, True, False]
     """
 
     left: Mask
@@ -383,6 +397,13 @@ class OrMask(Mask):
     ----------
     left, right : Mask
         The combined masks.
+
+    Examples
+    --------
+    >>> from numattn import ChunkedCausalMask, SlidingWindowCausalMask
+    >>> mask = ChunkedCausalMask(4) | SlidingWindowCausalMask(3)
+    >>> mask.visible(5, [2, 3, 4, 5, 6]).tolist()
+    [False, True, True, True, False]
     """
 
     left: Mask
