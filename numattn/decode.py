@@ -46,6 +46,7 @@ from ._validate import (
     shape_of,
 )
 from .config import MHAConfig, resolve_config
+from .flash import _softmax_tile_f32, _softmax_tile_f64
 from .kv_cache import KVCache, KVLayout, kv_page_slot, resolve_kv
 from .masks import (
     TILE_FULL,
@@ -73,6 +74,12 @@ CUDA_SHARED_BYTES = 48 * 1024
 ITEMS_PER_WORKER = 4
 MIN_TILES_PER_PARTITION = 4
 MAX_AUTO_PARTITIONS = 64
+#: CPU: the kernel asks for the first PREFETCH_LINES cache lines of the K or V row it will
+#: read PREFETCH_KEYS keys later.  Each token's row is a page of its own (4 KiB here), where
+#: the hardware prefetcher starts cold; a few early lines hide that start (whole rows would
+#: crowd the L1 cache and the miss buffers, and are slower).
+PREFETCH_KEYS = 4
+PREFETCH_LINES = 2
 
 
 def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
@@ -250,10 +257,12 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
     part_m = np.empty((batch, parts, num_heads), dtype)
     part_l = np.empty((batch, parts, num_heads), dtype)
     part_acc = np.empty((batch, parts, num_heads, head_dim), dtype)
+    _register_prefetch()
     cpu_jit(_decode_partitions_cpu, parallel=True)(
         np.ascontiguousarray(q), layout.k_blocks, layout.v_blocks, layout.page_size,
         layout.lookup_table, layout.row_base, layout.num_keys, args.program, args.additive,
-        args.has_additive, args.scale, block_k, part_m, part_l, part_acc,
+        args.has_additive, args.scale, block_k, dtype == np.float32, part_m, part_l,
+        part_acc,
     )
     cpu_jit(_decode_reduce_cpu, parallel=True)(
         part_m, part_l, part_acc, args.sinks, args.has_sink, result, lse
@@ -421,9 +430,15 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
 # CPU kernels.
 # --------------------------------------------------------------------------------------
 def _decode_partitions_cpu(q, k_blocks, v_blocks, page_size, lookup_table, row_base,
-                           num_keys, program, additive, has_additive, scale, block_k,
+                           num_keys, program, additive, has_additive, scale, block_k, single,
                            part_m, part_l, part_acc):
-    """Partial states ``part_* [B, P, H(, D)]``: one work item per (sequence, partition)."""
+    """Partial states ``part_* [B, P, H(, D)]``: one work item per (sequence, partition).
+
+    Per tile of keys: the scores of all heads (:func:`_tile_scores`: each token's
+    ``[Hkv, D]`` K row read in one sweep), the mask, a vectorised online-softmax step
+    (:func:`numattn.flash._softmax_tile_f32`, Cephes ``expf`` over the whole tile), then the
+    weighted V rows (:func:`_tile_values`).  Scores use ``q * scale`` (scaled once).
+    """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_blocks.shape[2]
     group = num_heads // num_kv_heads
@@ -436,86 +451,40 @@ def _decode_partitions_cpu(q, k_blocks, v_blocks, page_size, lookup_table, row_b
         m = part_m[b, part]
         l = part_l[b, part]
         acc = part_acc[b, part]
+        qs = np.empty((num_heads, head_dim), dtype=q.dtype)
         for h in range(num_heads):
             m[h] = -math.inf
             l[h] = 0
             for d in range(head_dim):
                 acc[h, d] = 0
-        scores = np.empty((num_heads, block_k), dtype=q.dtype)
-        pages = np.empty(block_k, dtype=np.int64)
-        slots = np.empty(block_k, dtype=np.int64)
+                qs[h, d] = q[b, h, d] * scale
+        s_buf = np.empty(num_heads * block_k, dtype=q.dtype)
+        alpha = np.empty(num_heads, dtype=q.dtype)
+        bits = np.empty(block_k, dtype=np.int64)
+        pages = np.empty(block_k + PREFETCH_KEYS, dtype=np.int64)
+        slots = np.empty(block_k + PREFETCH_KEYS, dtype=np.int64)
         for k0 in range(start, end, block_k):
             k1 = min(k0 + block_k, end)
             status = mask_tile_status(program, q_idx, q_idx, k0, k1 - 1)
             if status == TILE_FULL:
                 continue
             n = k1 - k0
-            # Scores: each token's whole [Hkv, D] K row, read once, serves every head; four
-            # keys at a time share the loads of q, two heads of a KV head the loads of K.
-            # Hidden keys are scored too (their rows are in range) and then replaced by
-            # -inf below, so nothing they hold is used.
-            for i in range(n):
-                page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0 + i)
+            # the tile's rows, and the first rows of the next tile (to prefetch)
+            ahead = min(n + PREFETCH_KEYS, end - k0)
+            page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0)
+            page_idx = (row_base[b] + k0) // page_size
+            for i in range(ahead):  # walk the slots page by page (no division per key)
                 pages[i] = page
                 slots[i] = slot
-            i = 0
-            while i < n:
-                # keys i, i1, i2, i3: four keys, or the last one repeated at the end
-                last = min(n - 1, i + 3)
-                i1 = min(i + 1, last)
-                i2 = min(i + 2, last)
-                i3 = last
-                p0, p1, p2, p3 = pages[i], pages[i1], pages[i2], pages[i3]
-                s0, s1, s2, s3 = slots[i], slots[i1], slots[i2], slots[i3]
-                for j in range(num_kv_heads):
-                    h = j * group
-                    while h < (j + 1) * group:
-                        if h + 1 < (j + 1) * group:  # two heads share the loads of K
-                            qa = q[b, h, 0]
-                            qb = q[b, h + 1, 0]
-                            e0 = k_blocks[p0, s0, j, 0]
-                            e1 = k_blocks[p1, s1, j, 0]
-                            e2 = k_blocks[p2, s2, j, 0]
-                            e3 = k_blocks[p3, s3, j, 0]
-                            a0, a1, a2, a3 = qa * e0, qa * e1, qa * e2, qa * e3
-                            c0, c1, c2, c3 = qb * e0, qb * e1, qb * e2, qb * e3
-                            for d in range(1, head_dim):
-                                qa = q[b, h, d]
-                                qb = q[b, h + 1, d]
-                                e0 = k_blocks[p0, s0, j, d]
-                                e1 = k_blocks[p1, s1, j, d]
-                                e2 = k_blocks[p2, s2, j, d]
-                                e3 = k_blocks[p3, s3, j, d]
-                                a0 += qa * e0
-                                a1 += qa * e1
-                                a2 += qa * e2
-                                a3 += qa * e3
-                                c0 += qb * e0
-                                c1 += qb * e1
-                                c2 += qb * e2
-                                c3 += qb * e3
-                            scores[h + 1, i] = c0 * scale
-                            scores[h + 1, i1] = c1 * scale
-                            scores[h + 1, i2] = c2 * scale
-                            scores[h + 1, i3] = c3 * scale
-                        else:
-                            qa = q[b, h, 0]
-                            a0 = qa * k_blocks[p0, s0, j, 0]
-                            a1 = qa * k_blocks[p1, s1, j, 0]
-                            a2 = qa * k_blocks[p2, s2, j, 0]
-                            a3 = qa * k_blocks[p3, s3, j, 0]
-                            for d in range(1, head_dim):
-                                qa = q[b, h, d]
-                                a0 += qa * k_blocks[p0, s0, j, d]
-                                a1 += qa * k_blocks[p1, s1, j, d]
-                                a2 += qa * k_blocks[p2, s2, j, d]
-                                a3 += qa * k_blocks[p3, s3, j, d]
-                        scores[h, i] = a0 * scale
-                        scores[h, i1] = a1 * scale
-                        scores[h, i2] = a2 * scale
-                        scores[h, i3] = a3 * scale
-                        h += 2
-                i += 4
+                slot += 1
+                if slot == page_size and i + 1 < ahead:
+                    slot = 0
+                    page_idx += 1
+                    page = lookup_table[b, page_idx]
+            scores = s_buf[:num_heads * n].reshape(num_heads, n)
+            # Hidden keys are scored too (their rows are in range) and then replaced by
+            # -inf below, so nothing they hold is used.
+            _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores)
             if status != TILE_NONE or has_additive:
                 for i in range(n):
                     visible = status == TILE_NONE or mask_visible(program, q_idx, k0 + i)
@@ -528,69 +497,289 @@ def _decode_partitions_cpu(q, k_blocks, v_blocks, page_size, lookup_table, row_b
                                 scores[h, i] = bias
                             else:
                                 scores[h, i] += bias
-            # Softmax of the tile, per head: rescale the state once, weigh each key.
+            if single:
+                _softmax_tile_f32(scores, m, l, alpha, bits.view(np.int32))
+            else:
+                _softmax_tile_f64(scores, m, l, alpha, bits)
             for h in range(num_heads):
-                tile_max = scores[h, 0]
-                for i in range(1, n):
-                    tile_max = max(tile_max, scores[h, i])
-                m_new, total, alpha = rescale_state(m[h], l[h], tile_max)
-                for i in range(n):
-                    p = exp_diff(scores[h, i], m_new)
-                    scores[h, i] = p
-                    total += p
-                m[h] = m_new
-                l[h] = total
-                if alpha != 1:
+                a = alpha[h]
+                if a != 1:
                     for d in range(head_dim):
-                        acc[h, d] *= alpha
-            # Output: each token's whole [Hkv, D] V row, read once, serves every head; four
-            # keys at a time share the loads and stores of acc, two heads the loads of V.
-            # A key of weight 0 (hidden) is left out, so no NaN its slot holds reaches acc.
-            i = 0
-            while i + 4 <= n:
-                p0, p1, p2, p3 = pages[i], pages[i + 1], pages[i + 2], pages[i + 3]
-                s0, s1, s2, s3 = slots[i], slots[i + 1], slots[i + 2], slots[i + 3]
-                for j in range(num_kv_heads):
-                    h = j * group
-                    while h < (j + 1) * group:
-                        pair = h + 1 < (j + 1) * group
-                        w0, w1 = scores[h, i], scores[h, i + 1]
-                        w2, w3 = scores[h, i + 2], scores[h, i + 3]
-                        x0 = scores[h + 1, i] if pair else w0
-                        x1 = scores[h + 1, i + 1] if pair else w1
-                        x2 = scores[h + 1, i + 2] if pair else w2
-                        x3 = scores[h + 1, i + 3] if pair else w3
-                        if (pair and w0 != 0 and w1 != 0 and w2 != 0 and w3 != 0 and x0 != 0
-                                and x1 != 0 and x2 != 0 and x3 != 0):
-                            # two heads share the loads of V
-                            for d in range(head_dim):
-                                v0 = v_blocks[p0, s0, j, d]
-                                v1 = v_blocks[p1, s1, j, d]
-                                v2 = v_blocks[p2, s2, j, d]
-                                v3 = v_blocks[p3, s3, j, d]
-                                acc[h, d] += (w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3)
-                                acc[h + 1, d] += (x0 * v0 + x1 * v1) + (x2 * v2 + x3 * v3)
-                            h += 2
-                            continue
-                        for u in range(4):
-                            w = scores[h, i + u]
-                            if w != 0:
-                                page = pages[i + u]
-                                slot = slots[i + u]
-                                for d in range(head_dim):
-                                    acc[h, d] += w * v_blocks[page, slot, j, d]
-                        h += 1
-                i += 4
-            while i < n:
-                page = pages[i]
-                slot = slots[i]
-                for h in range(num_heads):
-                    w = scores[h, i]
-                    if w != 0:
-                        j = h // group
+                        acc[h, d] *= a
+            _tile_values(scores, k_blocks, v_blocks, pages, slots, n, ahead, group, acc)
+
+
+@body
+def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores):
+    """``scores[h, i] = qs[h] . K[i, h // group]`` for the ``n`` keys of a tile (CPU only).
+
+    Keys in fours, and per KV head four query heads at a time (one head at a time for the
+    rest of a group), so one sweep over D loads each K element once for sixteen dot
+    products.  The rows of keys :data:`PREFETCH_KEYS` ahead are asked for (then the
+    tile's first V rows).
+    """
+    num_kv_heads = k_blocks.shape[2]
+    head_dim = qs.shape[1]
+    zero = qs[0, 0] - qs[0, 0]
+    i = 0
+    while i < n:
+        # keys i, i1, i2, i3: four keys, or the last one repeated at the end
+        i3 = min(i + 3, n - 1)
+        i1 = min(i + 1, i3)
+        i2 = min(i + 2, i3)
+        p0, s0 = pages[i], slots[i]
+        p1, s1 = pages[i1], slots[i1]
+        p2, s2 = pages[i2], slots[i2]
+        p3, s3 = pages[i3], slots[i3]
+        for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4):
+            if t < n:
+                _prefetch_row(k_blocks, pages[t], slots[t])
+            elif t < 2 * n:  # then the tile's first V rows
+                _prefetch_row(v_blocks, pages[t - n], slots[t - n])
+        for j in range(num_kv_heads):
+            k0 = k_blocks[p0, s0, j]
+            k1 = k_blocks[p1, s1, j]
+            k2 = k_blocks[p2, s2, j]
+            k3 = k_blocks[p3, s3, j]
+            h = j * group
+            h_end = h + group
+            while h < h_end:
+                if h + 4 <= h_end:
+                    q0 = qs[h]
+                    q1 = qs[h + 1]
+                    q2 = qs[h + 2]
+                    q3 = qs[h + 3]
+                    a00 = a01 = a02 = a03 = zero
+                    a10 = a11 = a12 = a13 = zero
+                    a20 = a21 = a22 = a23 = zero
+                    a30 = a31 = a32 = a33 = zero
+                    for d in range(head_dim):
+                        x0 = q0[d]
+                        x1 = q1[d]
+                        x2 = q2[d]
+                        x3 = q3[d]
+                        y = k0[d]
+                        a00 += x0 * y
+                        a10 += x1 * y
+                        a20 += x2 * y
+                        a30 += x3 * y
+                        y = k1[d]
+                        a01 += x0 * y
+                        a11 += x1 * y
+                        a21 += x2 * y
+                        a31 += x3 * y
+                        y = k2[d]
+                        a02 += x0 * y
+                        a12 += x1 * y
+                        a22 += x2 * y
+                        a32 += x3 * y
+                        y = k3[d]
+                        a03 += x0 * y
+                        a13 += x1 * y
+                        a23 += x2 * y
+                        a33 += x3 * y
+                    scores[h, i] = a00
+                    scores[h + 1, i] = a10
+                    scores[h + 2, i] = a20
+                    scores[h + 3, i] = a30
+                    scores[h, i1] = a01
+                    scores[h + 1, i1] = a11
+                    scores[h + 2, i1] = a21
+                    scores[h + 3, i1] = a31
+                    scores[h, i2] = a02
+                    scores[h + 1, i2] = a12
+                    scores[h + 2, i2] = a22
+                    scores[h + 3, i2] = a32
+                    scores[h, i3] = a03
+                    scores[h + 1, i3] = a13
+                    scores[h + 2, i3] = a23
+                    scores[h + 3, i3] = a33
+                    h += 4
+                else:
+                    q0 = qs[h]
+                    a00 = a01 = a02 = a03 = zero
+                    for d in range(head_dim):
+                        x0 = q0[d]
+                        a00 += x0 * k0[d]
+                        a01 += x0 * k1[d]
+                        a02 += x0 * k2[d]
+                        a03 += x0 * k3[d]
+                    scores[h, i] = a00
+                    scores[h, i1] = a01
+                    scores[h, i2] = a02
+                    scores[h, i3] = a03
+                    h += 1
+        i += 4
+
+
+@body
+def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, acc):
+    """``acc[h] += sum_i weights[h, i] V[i, h // group]`` over a tile (CPU only).
+
+    Keys in eights while every head weighs all eight (and ``group`` is even), then in fours:
+    one sweep over D adds the weighted V rows to the accumulators of two heads of a KV head
+    (each V element loaded once for both), or of one head.  A key of weight 0 (hidden) is
+    left out, so no NaN its slot holds reaches ``acc``.  The rows of
+    keys :data:`PREFETCH_KEYS` ahead are asked for (then the next tile's first K rows).
+    Plain 2-d indexing, not row views: the compiler then sees one array stored to and
+    vectorises the sweep (with row views of ``acc`` it does not).
+    """
+    num_kv_heads = v_blocks.shape[2]
+    head_dim = acc.shape[1]
+    i = 0
+    while i + 8 <= n and group % 2 == 0:  # eight keys x two heads per sweep
+        for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 8):
+            if t < n:
+                _prefetch_row(v_blocks, pages[t], slots[t])
+            elif t < ahead:  # then the next tile's first K rows
+                _prefetch_row(k_blocks, pages[t], slots[t])
+        nonzero = True
+        for h in range(weights.shape[0]):
+            for u in range(8):
+                if weights[h, i + u] == 0:
+                    nonzero = False
+        if not nonzero:
+            break  # the rest of the tile goes by fours, skipping the keys of weight 0
+        p0, s0 = pages[i], slots[i]
+        p1, s1 = pages[i + 1], slots[i + 1]
+        p2, s2 = pages[i + 2], slots[i + 2]
+        p3, s3 = pages[i + 3], slots[i + 3]
+        p4, s4 = pages[i + 4], slots[i + 4]
+        p5, s5 = pages[i + 5], slots[i + 5]
+        p6, s6 = pages[i + 6], slots[i + 6]
+        p7, s7 = pages[i + 7], slots[i + 7]
+        for j in range(num_kv_heads):
+            for h in range(j * group, (j + 1) * group, 2):
+                w0, w1, w2, w3 = weights[h, i], weights[h, i + 1], weights[h, i + 2], \
+                    weights[h, i + 3]
+                w4, w5, w6, w7 = weights[h, i + 4], weights[h, i + 5], weights[h, i + 6], \
+                    weights[h, i + 7]
+                x0, x1, x2, x3 = weights[h + 1, i], weights[h + 1, i + 1], \
+                    weights[h + 1, i + 2], weights[h + 1, i + 3]
+                x4, x5, x6, x7 = weights[h + 1, i + 4], weights[h + 1, i + 5], \
+                    weights[h + 1, i + 6], weights[h + 1, i + 7]
+                for d in range(head_dim):
+                    y0 = v_blocks[p0, s0, j, d]
+                    y1 = v_blocks[p1, s1, j, d]
+                    y2 = v_blocks[p2, s2, j, d]
+                    y3 = v_blocks[p3, s3, j, d]
+                    y4 = v_blocks[p4, s4, j, d]
+                    y5 = v_blocks[p5, s5, j, d]
+                    y6 = v_blocks[p6, s6, j, d]
+                    y7 = v_blocks[p7, s7, j, d]
+                    acc[h, d] += (((w0 * y0 + w1 * y1) + (w2 * y2 + w3 * y3))
+                                  + ((w4 * y4 + w5 * y5) + (w6 * y6 + w7 * y7)))
+                    acc[h + 1, d] += (((x0 * y0 + x1 * y1) + (x2 * y2 + x3 * y3))
+                                      + ((x4 * y4 + x5 * y5) + (x6 * y6 + x7 * y7)))
+        i += 8
+    while i + 4 <= n:
+        p0, s0 = pages[i], slots[i]
+        p1, s1 = pages[i + 1], slots[i + 1]
+        p2, s2 = pages[i + 2], slots[i + 2]
+        p3, s3 = pages[i + 3], slots[i + 3]
+        for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4):
+            if t < n:
+                _prefetch_row(v_blocks, pages[t], slots[t])
+            elif t < ahead:  # then the next tile's first K rows
+                _prefetch_row(k_blocks, pages[t], slots[t])
+        for j in range(num_kv_heads):
+            h = j * group
+            h_end = h + group
+            while h < h_end:
+                w0 = weights[h, i]
+                w1 = weights[h, i + 1]
+                w2 = weights[h, i + 2]
+                w3 = weights[h, i + 3]
+                full = w0 != 0 and w1 != 0 and w2 != 0 and w3 != 0
+                if full and h + 1 < h_end:
+                    x0 = weights[h + 1, i]
+                    x1 = weights[h + 1, i + 1]
+                    x2 = weights[h + 1, i + 2]
+                    x3 = weights[h + 1, i + 3]
+                    if x0 != 0 and x1 != 0 and x2 != 0 and x3 != 0:
+                        # two heads share the loads of V
                         for d in range(head_dim):
-                            acc[h, d] += w * v_blocks[page, slot, j, d]
-                i += 1
+                            y0 = v_blocks[p0, s0, j, d]
+                            y1 = v_blocks[p1, s1, j, d]
+                            y2 = v_blocks[p2, s2, j, d]
+                            y3 = v_blocks[p3, s3, j, d]
+                            acc[h, d] += (w0 * y0 + w1 * y1) + (w2 * y2 + w3 * y3)
+                            acc[h + 1, d] += (x0 * y0 + x1 * y1) + (x2 * y2 + x3 * y3)
+                        h += 2
+                        continue
+                if full:
+                    for d in range(head_dim):
+                        acc[h, d] += ((w0 * v_blocks[p0, s0, j, d] + w1 * v_blocks[p1, s1, j, d])
+                                      + (w2 * v_blocks[p2, s2, j, d] + w3 * v_blocks[p3, s3, j, d]))
+                else:
+                    for u in range(4):
+                        wu = weights[h, i + u]
+                        if wu != 0:
+                            pu = pages[i + u]
+                            su = slots[i + u]
+                            for d in range(head_dim):
+                                acc[h, d] += wu * v_blocks[pu, su, j, d]
+                h += 1
+        i += 4
+    while i < n:
+        p0, s0 = pages[i], slots[i]
+        for j in range(num_kv_heads):
+            v0 = v_blocks[p0, s0, j]
+            for h in range(j * group, (j + 1) * group):
+                w0 = weights[h, i]
+                if w0 != 0:
+                    row = acc[h]
+                    for d in range(head_dim):
+                        row[d] += w0 * v0[d]
+        i += 1
+
+
+def _prefetch_row(blocks, page, slot):
+    """Ask the CPU to start loading row ``blocks[page, slot]`` (a hint: nothing happens in
+    plain Python; compiled kernels get the implementation :func:`_register_prefetch` adds)."""
+
+
+_PREFETCH_REGISTERED = []
+
+
+def _register_prefetch():
+    """Give :func:`_prefetch_row` its compiled form: ``llvm.prefetch`` (``prefetcht0`` on
+    x86; never faults) of the row's first :data:`PREFETCH_LINES` 64-byte lines.
+
+    Called by the CPU driver before its kernels compile (numba is imported lazily).
+    """
+    if _PREFETCH_REGISTERED:
+        return
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic, overload
+
+    @intrinsic
+    def prefetch_byte(typingctx, arr, offset):
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            i8p = ir.IntType(8).as_pointer()
+            ptr = builder.gep(builder.bitcast(ary.data, i8p), [args[1]])
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            # read, high locality, data cache
+            builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.none(arr, offset), codegen
+
+    @overload(_prefetch_row, jit_options={"fastmath": True})
+    def _prefetch_row_impl(blocks, page, slot):
+        def impl(blocks, page, slot):
+            base = page * blocks.strides[0] + slot * blocks.strides[1]
+            row_bytes = blocks.shape[2] * blocks.shape[3] * blocks.itemsize
+            for off in range(0, min(PREFETCH_LINES * 64, row_bytes), 64):
+                prefetch_byte(blocks, base + off)
+
+        return impl
+
+    _PREFETCH_REGISTERED.append(True)
 
 
 def _decode_reduce_cpu(part_m, part_l, part_acc, sinks, has_sink, out, lse):
