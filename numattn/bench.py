@@ -61,7 +61,7 @@ def gemm_gflops(dtype=np.float32, n=2048, repeat=5):
 
 
 @functools.cache
-def read_bandwidth_gbs(megabytes=512, repeat=5, threads=None):
+def read_bandwidth_gbs(megabytes=1024, repeat=9, threads=None):
     """Memory read bandwidth (GB/s): one thread per core sums its slice of a large array.
 
     NumPy's ``sum`` releases the GIL and streams at the core's full read rate, so the
@@ -307,8 +307,8 @@ def run_bench(*, quick=False, only=None, repeat=None, progress=None):
     torch = torch_or_none()
     repeat = repeat or (2 if quick else 5)
     limits = {
-        "gemm_gflops": gemm_gflops(np.float32, 1024 if quick else 2048, repeat=3),
-        "read_gbs": read_bandwidth_gbs(128 if quick else 512, repeat=3),
+        "gemm_gflops": gemm_gflops(np.float32, 1024 if quick else 2048, repeat=5),
+        "read_gbs": read_bandwidth_gbs(256 if quick else 1024, repeat=9),
         "cores": os.cpu_count(),
         "torch": None if torch is None else torch.__version__,
     }
