@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from ._cuda import is_device_array, require_cuda, resolve_device
-from ._jit import cuda_kernel
+from ._jit import body, cuda_kernel
 from ._softmax import exp_diff, finish_row
 from ._validate import (
     check_array,
@@ -367,6 +367,14 @@ def _cross_cuda(q, q_offsets, layout, program, additive, has_additive, scale, gr
 # --------------------------------------------------------------------------------------
 # CUDA kernel (bound with ``cuda_kernel``; plain Python so the simulator can run it).
 # --------------------------------------------------------------------------------------
+@body
+def _row_head_of(i, heads_per_block, token0, h0):
+    """(query token, query head) of row-head ``i`` of a block: its rows are the block's
+    query tokens, each with ``heads_per_block`` consecutive heads from ``h0``."""
+    local_row = i // heads_per_block
+    return token0 + local_row, h0 + i - local_row * heads_per_block
+
+
 def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_rows, page_size,
                                  lookup_table, row_base, num_keys, program, additive,
                                  has_additive, scale, group, heads_per_block, rows_per_block,
@@ -472,9 +480,7 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
         for idx in range(tid, width * head_dim, num_threads):
             i = idx // head_dim
             d = idx - i * head_dim
-            lr = i // heads_per_block
-            token = token0 + lr
-            h = h0 + i - lr * heads_per_block
+            token, h = _row_head_of(i, heads_per_block, token0, h0)
             acc = zero
             if started:
                 acc = out[token, h, d] * rescale[i]
@@ -491,15 +497,13 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
         out_scale, row_lse = finish_row(row_max[i], row_sum[i], zero, False)
         rescale[i] = out_scale
         if write_lse:
-            lr = i // heads_per_block
-            lse[token0 + lr, h0 + i - lr * heads_per_block] = row_lse
+            token, h = _row_head_of(i, heads_per_block, token0, h0)
+            lse[token, h] = row_lse
     cuda.syncthreads()  # noqa: F821
     for idx in range(tid, width * head_dim, num_threads):
         i = idx // head_dim
         d = idx - i * head_dim
-        lr = i // heads_per_block
-        token = token0 + lr
-        h = h0 + i - lr * heads_per_block
+        token, h = _row_head_of(i, heads_per_block, token0, h0)
         if started:
             out[token, h, d] = out[token, h, d] * rescale[i]
         else:
