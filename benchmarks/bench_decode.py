@@ -4,7 +4,8 @@ Run ``python benchmarks/bench_decode.py`` (``--repeat N`` for more repeats).  Fo
 prints the median time of numattn (paged cache, pages of 128) and of PyTorch's CPU
 ``scaled_dot_product_attention`` (q of length 1, ``enable_gqa=True``, dense K/V), the KV bytes
 per second (the K and V rows of the live cache, each read once), the fraction of the read
-bandwidth measured in the same run, and the speed ratio against torch.  The targets of the
+bandwidth measured in the same rounds (numattn, the bandwidth probe and torch take turns, so
+that all see the same machine), and the speed ratio against torch.  The targets of the
 decode issue are >= 80% of the read bandwidth and >= 1.5x torch for the first case, and the
 same bandwidth for the long single sequence (split-K keeps every core busy).
 
@@ -25,7 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 import numattn
-from numattn.bench import read_bandwidth_gbs, torch_or_none
+from numattn.bench import read_all_fn, torch_or_none
 from numattn.decode import decode_attention
 
 CASES = [
@@ -57,16 +58,6 @@ def paged_problem(rng, batch, num_heads, num_kv_heads, num_keys, head_dim, dtype
     return q, k, v, dense(k_pages), dense(v_pages)
 
 
-def timed(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times), max(times)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=15)
@@ -75,29 +66,45 @@ def main(argv=None):
     dtype = np.dtype(args.dtype)
     rng = np.random.default_rng(0)
     torch = torch_or_none()
-    bandwidth = read_bandwidth_gbs()
-    print(f"read bandwidth (2 threads, median): {bandwidth:.1f} GB/s; dtype {dtype}; "
-          f"torch {'yes' if torch is not None else 'no'}")
-    header = (f"{'case':<14}{'numattn ms':>11}{'(min..max)':>16}{'GB/s':>7}{'of bw':>7}"
-              f"{'torch ms':>10}{'GB/s':>7}{'speedup':>9}")
+    read_all, read_bytes = read_all_fn()
+    print(f"dtype {dtype}; {os.cpu_count()} cores; torch {'yes' if torch is not None else 'no'}")
+    header = (f"{'case':<14}{'numattn ms':>11}{'(min..max)':>16}{'GB/s':>7}{'read bw':>9}"
+              f"{'of bw':>7}{'torch ms':>10}{'GB/s':>7}{'speedup':>9}")
     print(header)
     for label, batch, heads, kv_heads, num_keys, head_dim in CASES:
         q, k, v, k_dense, v_dense = paged_problem(rng, batch, heads, kv_heads, num_keys,
                                                   head_dim, dtype)
         out = np.empty(q.shape, dtype)
         kv_bytes = 2 * batch * num_keys * kv_heads * head_dim * dtype.itemsize
-        med, lo, hi = timed(lambda: decode_attention(q, k, v, out=out), args.repeat)  # noqa: B023
-        gbs = kv_bytes / med / 1e9
-        line = (f"{label:<14}{med * 1e3:>11.2f}{f'({lo * 1e3:.1f}..{hi * 1e3:.1f})':>16}"
-                f"{gbs:>7.1f}{gbs / bandwidth:>7.0%}")
+        fns = [lambda: decode_attention(q, k, v, out=out), read_all]  # noqa: B023
         if torch is not None:
             tq = torch.from_numpy(q[:, :, None, :])
             tk = torch.from_numpy(k_dense)
             tv = torch.from_numpy(v_dense)
             sdpa = torch.nn.functional.scaled_dot_product_attention
-            with torch.inference_mode():
-                t_med, _, _ = timed(lambda: sdpa(tq, tk, tv, enable_gqa=True),  # noqa: B023
-                                    args.repeat)
+
+            def torch_decode():
+                with torch.inference_mode():
+                    sdpa(tq, tk, tv, enable_gqa=True)  # noqa: B023
+
+            fns.append(torch_decode)
+        # numattn, the read-bandwidth probe and torch take turns in every round, so that
+        # all of them see the same state of this (shared, virtual) machine
+        times = [[] for _ in fns]
+        for fn in fns:
+            fn()
+        for _ in range(args.repeat):
+            for fn, t in zip(fns, times):
+                t0 = time.perf_counter()
+                fn()
+                t.append(time.perf_counter() - t0)
+        med, lo, hi = statistics.median(times[0]), min(times[0]), max(times[0])
+        bandwidth = read_bytes / statistics.median(times[1]) / 1e9
+        gbs = kv_bytes / med / 1e9
+        line = (f"{label:<14}{med * 1e3:>11.2f}{f'({lo * 1e3:.1f}..{hi * 1e3:.1f})':>16}"
+                f"{gbs:>7.1f}{bandwidth:>9.1f}{gbs / bandwidth:>7.0%}")
+        if torch is not None:
+            t_med = statistics.median(times[2])
             line += (f"{t_med * 1e3:>10.2f}{kv_bytes / t_med / 1e9:>7.1f}"
                      f"{t_med / med:>8.2f}x")
         print(line)

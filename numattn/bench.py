@@ -1,12 +1,13 @@
 """``python -m numattn bench``: the kernel issues' benchmark shapes, against this machine.
 
-Each case times numattn (median of several runs, after a warm-up that compiles) and, in
-the same run, a baseline: PyTorch's CPU ``scaled_dot_product_attention`` when torch is
+Each case times numattn (median of several runs, after a warm-up that compiles) and, round
+by round with it, a baseline: PyTorch's CPU ``scaled_dot_product_attention`` when torch is
 installed (``pip install numattn[bench]``), NumPy otherwise.  Figures are reported as
 useful GFLOP/s (attention FLOPs over visible pairs only) or GB/s (K/V bytes of the live
 cache, read once), as fractions of this machine's own limits measured in the same run
-(float32 GEMM rate of the BLAS NumPy uses, two-thread memory read bandwidth), and as the
-ratio ``baseline time / numattn time`` (above 1: numattn is faster).
+(float32 GEMM rate of the BLAS NumPy uses; memory read bandwidth of all cores, measured
+in the same rounds as the case), and as the ratio ``baseline time / numattn time`` (above
+1: numattn is faster).
 
 The machine is shared and noisy: compare ratios and medians, not single runs.
 """
@@ -27,7 +28,9 @@ import numpy as np
 __all__ = [
     "BenchResult",
     "gemm_gflops",
+    "interleaved_medians",
     "median_time",
+    "read_all_fn",
     "read_bandwidth_gbs",
     "run_bench",
     "torch_or_none",
@@ -49,6 +52,26 @@ def median_time(fn, *, repeat=5, warmup=1):
     return float(np.median(times))
 
 
+def interleaved_medians(fns, *, repeat=5, warmup=1):
+    """Median wall time (seconds) of each callable, timed in turn within each round.
+
+    Interleaving lets every contender see the same machine: on a shared virtual machine
+    the speed of memory moves between runs (the two virtual cores may share one chiplet's
+    link to memory or not), and a bandwidth measured minutes before a kernel is no limit
+    for it.
+    """
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, t in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - start)
+    return [float(np.median(t)) for t in times]
+
+
 @functools.cache
 def gemm_gflops(dtype=np.float32, n=2048, repeat=5):
     """GEMM rate (GFLOP/s) of the BLAS behind NumPy on all cores, ``n x n x n`` products."""
@@ -60,12 +83,12 @@ def gemm_gflops(dtype=np.float32, n=2048, repeat=5):
     return 2.0 * n**3 / t / 1e9
 
 
-@functools.cache
-def read_bandwidth_gbs(megabytes=1024, repeat=9, threads=None):
-    """Memory read bandwidth (GB/s): one thread per core sums its slice of a large array.
+def read_all_fn(megabytes=1024, threads=None):
+    """A callable reading ``megabytes`` MiB with one thread per core, and the bytes it reads.
 
-    NumPy's ``sum`` releases the GIL and streams at the core's full read rate, so the
-    threads together measure what all cores can read.
+    Each thread sums its slice of a large array: NumPy's ``sum`` releases the GIL and
+    streams at the core's full read rate, so the threads together read as fast as all
+    cores can.
     """
     threads = threads or os.cpu_count() or 1
     data = np.ones(megabytes * 2**20 // 8, dtype=np.float64)
@@ -78,8 +101,14 @@ def read_bandwidth_gbs(megabytes=1024, repeat=9, threads=None):
         for worker in workers:
             worker.join()
 
-    t = median_time(read_all, repeat=repeat)
-    return data.nbytes / t / 1e9
+    return read_all, data.nbytes
+
+
+@functools.cache
+def read_bandwidth_gbs(megabytes=1024, repeat=9, threads=None):
+    """Memory read bandwidth (GB/s) of all cores together (see :func:`read_all_fn`)."""
+    read_all, nbytes = read_all_fn(megabytes, threads)
+    return nbytes / median_time(read_all, repeat=repeat) / 1e9
 
 
 def torch_or_none():
@@ -104,6 +133,7 @@ class BenchResult:
     metric: str  # "GFLOP/s" or "GB/s"
     rate: float
     fraction_of_limit: float
+    limit: float  # GEMM GFLOP/s, or the read bandwidth measured in the case's rounds
     baseline: str
     baseline_seconds: float | None
     note: str = ""
@@ -301,7 +331,8 @@ def run_bench(*, quick=False, only=None, repeat=None, progress=None):
     Returns
     -------
     limits : dict
-        ``gemm_gflops``, ``read_gbs``, ``cores`` and the torch version (or None).
+        ``gemm_gflops``, ``read_gbs`` (before the cases; each GB/s case also measures the
+        read bandwidth in its own rounds, its ``limit``), ``cores`` and the torch version.
     results : list of BenchResult
     """
     torch = torch_or_none()
@@ -313,19 +344,22 @@ def run_bench(*, quick=False, only=None, repeat=None, progress=None):
         "torch": None if torch is None else torch.__version__,
     }
     cases = [(n, b) for n, b in _cases(quick) if not only or any(o in n for o in only)]
+    read_all, read_bytes = read_all_fn(256 if quick else 1024)
     results = []
     for i, (name, build) in enumerate(cases):
         if progress is not None:
             progress(i, len(cases), name)
         fn, base, work, metric, note = build(torch)
-        t = median_time(fn, repeat=repeat)
-        base_name, base_t = "-", None
-        if base is not None:
-            base_name, base_fn = base
-            base_t = median_time(base_fn, repeat=repeat)
+        base_name, base_fn = base if base is not None else ("-", None)
+        # numattn, the baseline and (for GB/s) the read bandwidth, timed round by round
+        fns = [fn] + ([base_fn] if base_fn else []) + ([read_all] if metric == "GB/s" else [])
+        times = interleaved_medians(fns, repeat=repeat)
+        t = times[0]
+        base_t = times[1] if base_fn else None
         rate = work / t / 1e9
-        limit = limits["gemm_gflops"] if metric == "GFLOP/s" else limits["read_gbs"]
-        results.append(BenchResult(name, t, metric, rate, rate / limit, base_name, base_t, note))
+        limit = limits["gemm_gflops"] if metric == "GFLOP/s" else read_bytes / times[-1] / 1e9
+        results.append(BenchResult(name, t, metric, rate, rate / limit, limit, base_name,
+                                   base_t, note))
     if progress is not None:
         progress(len(cases), len(cases), "done")
     return limits, results
@@ -367,14 +401,14 @@ def main(args) -> int:
                                 progress=progress)
     print(f"machine: {limits['cores']} cores, float32 GEMM {limits['gemm_gflops']:.0f} GFLOP/s, "
           f"read bandwidth {limits['read_gbs']:.1f} GB/s, torch {limits['torch'] or 'absent'}")
-    header = (f"{'case':<34} {'median ms':>10} {'rate':>14} {'of limit':>9} "
+    header = (f"{'case':<34} {'median ms':>10} {'rate':>14} {'of limit':>9} {'limit':>7} "
               f"{'baseline':>24} {'speedup':>8}")
     print(header)
     print("-" * len(header))
     for r in results:
         speed = "-" if r.speedup is None else f"{r.speedup:.2f}x"
         print(f"{r.name:<34} {r.seconds * 1e3:>10.2f} {r.rate:>8.1f} {r.metric:<5} "
-              f"{100 * r.fraction_of_limit:>8.0f}% {r.baseline:>24} {speed:>8}")
+              f"{100 * r.fraction_of_limit:>8.0f}% {r.limit:>7.1f} {r.baseline:>24} {speed:>8}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"limits": limits,

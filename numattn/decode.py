@@ -74,6 +74,8 @@ CUDA_SHARED_BYTES = 48 * 1024
 ITEMS_PER_WORKER = 4
 MIN_TILES_PER_PARTITION = 4
 MAX_AUTO_PARTITIONS = 64
+#: CPU: partial outputs up to this many elements are merged on the calling thread.
+SERIAL_REDUCE_ELEMENTS = 2**18
 #: CPU: the kernel asks for the first PREFETCH_LINES cache lines of the K or V row it will
 #: read PREFETCH_KEYS keys later.  Each token's row is a page of its own (4 KiB here), where
 #: the hardware prefetcher starts cold; a few early lines hide that start (whole rows would
@@ -264,7 +266,10 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
         args.has_additive, args.scale, block_k, dtype == np.float32, part_m, part_l,
         part_acc,
     )
-    cpu_jit(_decode_reduce_cpu, parallel=True)(
+    # A small reduction runs on the calling thread: waking the worker threads again would
+    # cost more than it saves.
+    parallel = part_acc.size > SERIAL_REDUCE_ELEMENTS
+    cpu_jit(_decode_reduce_cpu, parallel=parallel)(
         part_m, part_l, part_acc, args.sinks, args.has_sink, result, lse
     )
     return _finish(result, lse, return_lse)
@@ -506,7 +511,8 @@ def _decode_partitions_cpu(q, k_blocks, v_blocks, page_size, lookup_table, row_b
                 if a != 1:
                     for d in range(head_dim):
                         acc[h, d] *= a
-            _tile_values(scores, k_blocks, v_blocks, pages, slots, n, ahead, group, acc)
+            _tile_values(scores, k_blocks, v_blocks, pages, slots, n, ahead, group,
+                         status == TILE_NONE and not has_additive, acc)
 
 
 @body
@@ -613,65 +619,22 @@ def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores):
 
 
 @body
-def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, acc):
+def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, all_visible,
+                 acc):
     """``acc[h] += sum_i weights[h, i] V[i, h // group]`` over a tile (CPU only).
 
-    Keys in eights while every head weighs all eight (and ``group`` is even), then in fours:
-    one sweep over D adds the weighted V rows to the accumulators of two heads of a KV head
-    (each V element loaded once for both), or of one head.  A key of weight 0 (hidden) is
-    left out, so no NaN its slot holds reaches ``acc``.  The rows of
-    keys :data:`PREFETCH_KEYS` ahead are asked for (then the next tile's first K rows).
+    Keys in fours and heads in pairs (one head at a time for an odd ``group``): one sweep
+    over D adds four weighted V rows to the accumulators of two heads of a KV head, each V
+    element loaded once for both.  (Wider blocks measured slower: their weights no longer
+    fit in registers.)  Unless the tile is ``all_visible``, a key of weight 0 (hidden) is
+    left out, so no NaN its slot holds reaches ``acc``.  The rows of keys
+    :data:`PREFETCH_KEYS` ahead are asked for (then the next tile's first K rows).
     Plain 2-d indexing, not row views: the compiler then sees one array stored to and
-    vectorises the sweep (with row views of ``acc`` it does not).
+    vectorises the sweep.
     """
-    num_kv_heads = v_blocks.shape[2]
     head_dim = acc.shape[1]
+    step = 2 if group % 2 == 0 else 1
     i = 0
-    while i + 8 <= n and group % 2 == 0:  # eight keys x two heads per sweep
-        for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 8):
-            if t < n:
-                _prefetch_row(v_blocks, pages[t], slots[t])
-            elif t < ahead:  # then the next tile's first K rows
-                _prefetch_row(k_blocks, pages[t], slots[t])
-        nonzero = True
-        for h in range(weights.shape[0]):
-            for u in range(8):
-                if weights[h, i + u] == 0:
-                    nonzero = False
-        if not nonzero:
-            break  # the rest of the tile goes by fours, skipping the keys of weight 0
-        p0, s0 = pages[i], slots[i]
-        p1, s1 = pages[i + 1], slots[i + 1]
-        p2, s2 = pages[i + 2], slots[i + 2]
-        p3, s3 = pages[i + 3], slots[i + 3]
-        p4, s4 = pages[i + 4], slots[i + 4]
-        p5, s5 = pages[i + 5], slots[i + 5]
-        p6, s6 = pages[i + 6], slots[i + 6]
-        p7, s7 = pages[i + 7], slots[i + 7]
-        for j in range(num_kv_heads):
-            for h in range(j * group, (j + 1) * group, 2):
-                w0, w1, w2, w3 = weights[h, i], weights[h, i + 1], weights[h, i + 2], \
-                    weights[h, i + 3]
-                w4, w5, w6, w7 = weights[h, i + 4], weights[h, i + 5], weights[h, i + 6], \
-                    weights[h, i + 7]
-                x0, x1, x2, x3 = weights[h + 1, i], weights[h + 1, i + 1], \
-                    weights[h + 1, i + 2], weights[h + 1, i + 3]
-                x4, x5, x6, x7 = weights[h + 1, i + 4], weights[h + 1, i + 5], \
-                    weights[h + 1, i + 6], weights[h + 1, i + 7]
-                for d in range(head_dim):
-                    y0 = v_blocks[p0, s0, j, d]
-                    y1 = v_blocks[p1, s1, j, d]
-                    y2 = v_blocks[p2, s2, j, d]
-                    y3 = v_blocks[p3, s3, j, d]
-                    y4 = v_blocks[p4, s4, j, d]
-                    y5 = v_blocks[p5, s5, j, d]
-                    y6 = v_blocks[p6, s6, j, d]
-                    y7 = v_blocks[p7, s7, j, d]
-                    acc[h, d] += (((w0 * y0 + w1 * y1) + (w2 * y2 + w3 * y3))
-                                  + ((w4 * y4 + w5 * y5) + (w6 * y6 + w7 * y7)))
-                    acc[h + 1, d] += (((x0 * y0 + x1 * y1) + (x2 * y2 + x3 * y3))
-                                      + ((x4 * y4 + x5 * y5) + (x6 * y6 + x7 * y7)))
-        i += 8
     while i + 4 <= n:
         p0, s0 = pages[i], slots[i]
         p1, s1 = pages[i + 1], slots[i + 1]
@@ -682,55 +645,47 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, acc
                 _prefetch_row(v_blocks, pages[t], slots[t])
             elif t < ahead:  # then the next tile's first K rows
                 _prefetch_row(k_blocks, pages[t], slots[t])
-        for j in range(num_kv_heads):
-            h = j * group
-            h_end = h + group
-            while h < h_end:
-                w0 = weights[h, i]
-                w1 = weights[h, i + 1]
-                w2 = weights[h, i + 2]
-                w3 = weights[h, i + 3]
-                full = w0 != 0 and w1 != 0 and w2 != 0 and w3 != 0
-                if full and h + 1 < h_end:
-                    x0 = weights[h + 1, i]
-                    x1 = weights[h + 1, i + 1]
-                    x2 = weights[h + 1, i + 2]
-                    x3 = weights[h + 1, i + 3]
-                    if x0 != 0 and x1 != 0 and x2 != 0 and x3 != 0:
-                        # two heads share the loads of V
-                        for d in range(head_dim):
-                            y0 = v_blocks[p0, s0, j, d]
-                            y1 = v_blocks[p1, s1, j, d]
-                            y2 = v_blocks[p2, s2, j, d]
-                            y3 = v_blocks[p3, s3, j, d]
-                            acc[h, d] += (w0 * y0 + w1 * y1) + (w2 * y2 + w3 * y3)
-                            acc[h + 1, d] += (x0 * y0 + x1 * y1) + (x2 * y2 + x3 * y3)
-                        h += 2
-                        continue
-                if full:
-                    for d in range(head_dim):
-                        acc[h, d] += ((w0 * v_blocks[p0, s0, j, d] + w1 * v_blocks[p1, s1, j, d])
-                                      + (w2 * v_blocks[p2, s2, j, d] + w3 * v_blocks[p3, s3, j, d]))
-                else:
+        for h in range(0, weights.shape[0], step):
+            j = h // group
+            w0 = weights[h, i]
+            w1 = weights[h, i + 1]
+            w2 = weights[h, i + 2]
+            w3 = weights[h, i + 3]
+            x0 = weights[h + step - 1, i]
+            x1 = weights[h + step - 1, i + 1]
+            x2 = weights[h + step - 1, i + 2]
+            x3 = weights[h + step - 1, i + 3]
+            if not all_visible and (w0 == 0 or w1 == 0 or w2 == 0 or w3 == 0
+                                    or x0 == 0 or x1 == 0 or x2 == 0 or x3 == 0):
+                for g in range(h, h + step):  # key by key, leaving out weights of 0
                     for u in range(4):
-                        wu = weights[h, i + u]
+                        wu = weights[g, i + u]
                         if wu != 0:
                             pu = pages[i + u]
                             su = slots[i + u]
                             for d in range(head_dim):
-                                acc[h, d] += wu * v_blocks[pu, su, j, d]
-                h += 1
+                                acc[g, d] += wu * v_blocks[pu, su, j, d]
+            elif step == 2:
+                for d in range(head_dim):
+                    y0 = v_blocks[p0, s0, j, d]
+                    y1 = v_blocks[p1, s1, j, d]
+                    y2 = v_blocks[p2, s2, j, d]
+                    y3 = v_blocks[p3, s3, j, d]
+                    acc[h, d] += (w0 * y0 + w1 * y1) + (w2 * y2 + w3 * y3)
+                    acc[h + 1, d] += (x0 * y0 + x1 * y1) + (x2 * y2 + x3 * y3)
+            else:
+                for d in range(head_dim):
+                    acc[h, d] += ((w0 * v_blocks[p0, s0, j, d] + w1 * v_blocks[p1, s1, j, d])
+                                  + (w2 * v_blocks[p2, s2, j, d] + w3 * v_blocks[p3, s3, j, d]))
         i += 4
     while i < n:
         p0, s0 = pages[i], slots[i]
-        for j in range(num_kv_heads):
-            v0 = v_blocks[p0, s0, j]
-            for h in range(j * group, (j + 1) * group):
-                w0 = weights[h, i]
-                if w0 != 0:
-                    row = acc[h]
-                    for d in range(head_dim):
-                        row[d] += w0 * v0[d]
+        for h in range(weights.shape[0]):
+            w0 = weights[h, i]
+            if all_visible or w0 != 0:
+                j = h // group
+                for d in range(head_dim):
+                    acc[h, d] += w0 * v_blocks[p0, s0, j, d]
         i += 1
 
 

@@ -29,12 +29,12 @@ def test_import_compiles_nothing_and_skips_numba():
     assert result.stdout.split() == ["False", "False"]
 
 
-def test_openmp_workers_wait_passively_unless_the_user_chose():
+def test_openmp_workers_spin_briefly_unless_the_user_chose():
     code = "import os, numattn; print(os.environ.get('GOMP_SPINCOUNT'))"
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True)
-    assert run.stdout.strip() == "0"
+    assert run.stdout.strip() == "1000"
     env["OMP_WAIT_POLICY"] = "ACTIVE"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True)
