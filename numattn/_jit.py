@@ -39,6 +39,26 @@ import types
 #: ``import numattn`` stays fast).
 prange = range
 
+
+class _UnboundCuda:
+    """Stands for ``numba.cuda`` in the source of CUDA kernels and device bodies.
+
+    Kernels write ``cuda.threadIdx.x`` and so on; :func:`cuda_kernel` and
+    :func:`cuda_device` compile a copy whose ``cuda`` is the real module (the simulator's
+    under ``NUMBA_ENABLE_CUDASIM=1``).  Used any other way, it says so.
+    """
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # introspection (doctest, inspect, _rebind) looks for these
+            raise AttributeError(name)
+        raise RuntimeError(
+            f"cuda.{name}: numattn CUDA kernels run only as compiled by cuda_kernel()"
+        )
+
+
+#: Placeholder for ``numba.cuda`` in kernel source (see :class:`_UnboundCuda`).
+cuda = _UnboundCuda()
+
 #: Fast-math flags: contraction, reassociation and reciprocal approximations are allowed,
 #: but *not* ``nnan``/``ninf``: masking relies on ``-inf`` and NaN must propagate.
 FASTMATH = frozenset({"contract", "reassoc", "arcp", "nsz"})

@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from ._cuda import is_device_array, require_cuda, resolve_device
-from ._jit import body, cuda_kernel
+from ._jit import body, cuda, cuda_kernel
 from ._softmax import exp_diff, finish_row
 from ._validate import (
     check_array,
@@ -388,11 +388,11 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
     hidden key, whose V is never read), and the running max, sum and rescale factor.  The
     running output accumulates in ``out`` itself (each element has one owner thread).
     """
-    b = tile_seq[cuda.blockIdx.x]  # noqa: F821 - bound by cuda_kernel
-    r0 = tile_row0[cuda.blockIdx.x]  # noqa: F821
-    h0 = cuda.blockIdx.y * heads_per_block  # noqa: F821
-    tid = cuda.threadIdx.x  # noqa: F821
-    num_threads = cuda.blockDim.x  # noqa: F821
+    b = tile_seq[cuda.blockIdx.x]
+    r0 = tile_row0[cuda.blockIdx.x]
+    h0 = cuda.blockIdx.y * heads_per_block
+    tid = cuda.threadIdx.x
+    num_threads = cuda.blockDim.x
     token0 = q_offsets[b] + r0
     rows = min(rows_per_block, q_offsets[b + 1] - token0)
     width = rows * heads_per_block
@@ -403,8 +403,8 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
     per_head_mask = additive.shape[1] > 1
     zero = scale - scale  # 0 in the kernel's float type (float literals would be float64)
 
-    key_row = cuda.shared.array(0, dtype=row_base.dtype)  # noqa: F821
-    floats = cuda.shared.array(0, dtype=q.dtype)  # noqa: F821
+    key_row = cuda.shared.array(0, dtype=row_base.dtype)
+    floats = cuda.shared.array(0, dtype=q.dtype)
     base = block_k * 8 // floats.itemsize  # the floats follow the int64 key rows
     stride = rows_per_block * heads_per_block
     scores = floats[base:base + stride * block_k]
@@ -415,7 +415,7 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
     for i in range(tid, width, num_threads):
         row_max[i] = -math.inf
         row_sum[i] = zero
-    cuda.syncthreads()  # noqa: F821
+    cuda.syncthreads()
 
     started = False
     for k0 in range(0, n, block_k):
@@ -449,7 +449,7 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
                         scores[i * block_k + j] = s
                     else:
                         scores[i * block_k + j] = -math.inf
-        cuda.syncthreads()  # noqa: F821
+        cuda.syncthreads()
         # 2. The tile's max per row-head, and the factor that rescales the running state.
         for i in range(tid, width, num_threads):
             m_old = row_max[i]
@@ -462,13 +462,13 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
                         break  # NaN propagates
             rescale[i] = exp_diff(m_old, m_new)
             row_max[i] = m_new
-        cuda.syncthreads()  # noqa: F821
+        cuda.syncthreads()
         # 3. Probabilities (hidden keys stay -inf).
         for idx in range(tid, width * block_k, num_threads):
             s = scores[idx]
             if s != -math.inf:
                 scores[idx] = exp_diff(s, row_max[idx // block_k])
-        cuda.syncthreads()  # noqa: F821
+        cuda.syncthreads()
         # 4. Running sums, and P @ V with threads over row-heads x head dim.
         for i in range(tid, width, num_threads):
             tile_sum = zero
@@ -490,7 +490,7 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
                     acc += p * v_rows[key_row[j], kv_head, d]
             out[token, h, d] = acc
         started = True
-        cuda.syncthreads()  # noqa: F821
+        cuda.syncthreads()
 
     # Finish: out = acc / l (0 for a row with no visible key), lse = m + log(l).
     for i in range(tid, width, num_threads):
@@ -499,7 +499,7 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
         if write_lse:
             token, h = _row_head_of(i, heads_per_block, token0, h0)
             lse[token, h] = row_lse
-    cuda.syncthreads()  # noqa: F821
+    cuda.syncthreads()
     for idx in range(tid, width * head_dim, num_threads):
         i = idx // head_dim
         d = idx - i * head_dim

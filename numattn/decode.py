@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._cuda import is_device_array, require_cuda, resolve_device
-from ._jit import body, cpu_jit, cuda_kernel, prange
+from ._jit import body, cpu_jit, cuda, cuda_kernel, prange
 from ._softmax import exp_diff, finish_row, merge_weight
 from ._validate import (
     check_array,
@@ -757,12 +757,12 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
     ``(key_slot, lane)`` compute dot products with ``CUDA_DOT_LANES`` lanes over D (coalesced
     rows), then threads over (head, d) accumulate the weighted V rows.
     """
-    part = cuda.blockIdx.x  # noqa: F821 - bound by cuda_kernel
-    j = cuda.blockIdx.y  # noqa: F821 - bound by cuda_kernel
-    b = cuda.blockIdx.z  # noqa: F821 - bound by cuda_kernel
-    num_partitions = cuda.gridDim.x  # noqa: F821 - bound by cuda_kernel
-    tid = cuda.threadIdx.x  # noqa: F821 - bound by cuda_kernel
-    threads = cuda.blockDim.x  # noqa: F821 - bound by cuda_kernel
+    part = cuda.blockIdx.x
+    j = cuda.blockIdx.y
+    b = cuda.blockIdx.z
+    num_partitions = cuda.gridDim.x
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
     num_heads = q.shape[1]
     head_dim = q.shape[2]
     group = num_heads // k_blocks.shape[2]
@@ -770,7 +770,7 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
     key_slot = tid // CUDA_DOT_LANES
     key_slots = threads // CUDA_DOT_LANES
     zero = scale - scale
-    shared = cuda.shared.array(0, dtype=q.dtype)  # noqa: F821 - bound by cuda_kernel
+    shared = cuda.shared.array(0, dtype=q.dtype)
     red = heads_per_pass * tile
     alphas = red + heads_per_pass * threads
     q_idx = num_keys[b] - 1
@@ -783,7 +783,7 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
         if tid < gn:
             part_m[b, part, h0 + tid] = -math.inf
             part_l[b, part, h0 + tid] = zero
-        cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+        cuda.syncthreads()
         for k0 in range(start, end, tile):
             k1 = min(k0 + tile, end)
             status = mask_tile_status(program, q_idx, q_idx, k0, k1 - 1)
@@ -800,7 +800,7 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
                         for d in range(lane, head_dim, CUDA_DOT_LANES):
                             dot += q[b, h0 + g, d] * k_blocks[page, slot, j, d]
                         shared[red + g * threads + tid] = dot
-                cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+                cuda.syncthreads()
                 # ... and one thread per (head, key) adds the lanes and applies the mask.
                 for idx in range(tid, gn * key_slots, threads):
                     g = idx // key_slots
@@ -817,14 +817,14 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
                                     dot += shared[base + ln]
                                 s = dot * scale + bias
                         shared[g * tile + i] = s
-                cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+                cuda.syncthreads()
             # Tile max per head (tree reduction), then rescale the state.
             for g in range(gn):
                 best = -math.inf
                 for i in range(tid, n, threads):
                     best = max(best, shared[g * tile + i])
                 shared[red + g * threads + tid] = best
-            cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+            cuda.syncthreads()
             stride = threads // 2
             while stride > 0:
                 if tid < stride:
@@ -832,7 +832,7 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
                         a = shared[red + g * threads + tid]
                         other = shared[red + g * threads + tid + stride]
                         shared[red + g * threads + tid] = max(a, other)
-                cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+                cuda.syncthreads()
                 stride //= 2
             if tid < gn:
                 h = h0 + tid
@@ -842,7 +842,7 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
                 part_m[b, part, h0 + tid] = m_new
                 part_l[b, part, h0 + tid] = l_scaled
                 shared[alphas + tid] = alpha
-            cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+            cuda.syncthreads()
             # Weights of the tile's keys and their sum per head (tree reduction).
             for g in range(gn):
                 m_new = part_m[b, part, h0 + g]
@@ -852,13 +852,13 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
                     shared[g * tile + i] = p
                     total += p
                 shared[red + g * threads + tid] = total
-            cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+            cuda.syncthreads()
             stride = threads // 2
             while stride > 0:
                 if tid < stride:
                     for g in range(gn):
                         shared[red + g * threads + tid] += shared[red + g * threads + tid + stride]
-                cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+                cuda.syncthreads()
                 stride //= 2
             if tid < gn:
                 part_l[b, part, h0 + tid] += shared[red + tid * threads]
@@ -883,12 +883,12 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
                         page = lookup_table[b, page_idx]
                 acc = part_acc[b, part, h0 + g, d]
                 part_acc[b, part, h0 + g, d] = acc * shared[alphas + g] + total
-            cuda.syncthreads()  # noqa: F821 - bound by cuda_kernel
+            cuda.syncthreads()
 
 
 def _decode_reduce_cuda(part_m, part_l, part_acc, sinks, has_sink, out, lse):
     """One block per (sequence, head) row, threads over the head dimension."""
     num_heads = part_m.shape[2]
-    row = cuda.blockIdx.x  # noqa: F821 - bound by cuda_kernel
+    row = cuda.blockIdx.x
     reduce_row(part_m, part_l, part_acc, sinks, has_sink, row // num_heads, row % num_heads,
-               cuda.threadIdx.x, cuda.blockDim.x, out, lse)  # noqa: F821 - bound by cuda_kernel
+               cuda.threadIdx.x, cuda.blockDim.x, out, lse)

@@ -75,7 +75,28 @@ def test_cli_bench_quick_writes_json(tmp_path):
     data = json.loads(path.read_text())
     assert data["limits"]["gemm_gflops"] > 0 and data["limits"]["read_gbs"] > 0
     assert [r["name"] for r in data["results"]] == ["decode B=8 N=1024"]
-    assert data["results"][0]["rate"] > 0
+    row = data["results"][0]
+    assert row["rate"] > 0 and row["limit"] > 0
+    assert row["fraction_of_limit"] == pytest.approx(row["rate"] / row["limit"])
+
+
+def test_interleaved_medians_times_every_callable_in_each_round():
+    from numattn.bench import interleaved_medians
+
+    calls = []
+    medians = interleaved_medians(
+        [lambda: calls.append("a"), lambda: calls.append("b")], repeat=3, warmup=1
+    )
+    assert calls == ["a", "b"] + ["a", "b"] * 3
+    assert len(medians) == 2 and all(m >= 0 for m in medians)
+
+
+def test_read_all_fn_reads_the_requested_bytes():
+    from numattn.bench import read_all_fn
+
+    read_all, nbytes = read_all_fn(megabytes=8, threads=2)
+    assert nbytes == 8 * 2**20
+    read_all()  # runs, reading every slice once
 
 
 def test_cli_usage_errors():
