@@ -74,7 +74,10 @@ CUDA_SHARED_BYTES = 48 * 1024
 ITEMS_PER_WORKER = 4
 MIN_TILES_PER_PARTITION = 4
 MAX_AUTO_PARTITIONS = 64
-#: CPU: partial outputs up to this many elements are merged on the calling thread.
+#: CPU: calls that read up to this many K/V bytes run on the calling thread, and partial
+#: outputs up to this many elements are merged there: waking the worker threads costs
+#: 30-100 us on a virtual machine (a few us elsewhere), more than it saves on such work.
+SERIAL_KV_BYTES = 2**20
 SERIAL_REDUCE_ELEMENTS = 2**18
 #: CPU: the kernel asks for the first PREFETCH_LINES cache lines of the K or V row it will
 #: read PREFETCH_KEYS keys later.  Each token's row is a page of its own (4 KiB here), where
@@ -260,14 +263,14 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
     part_l = np.empty((batch, parts, num_heads), dtype)
     part_acc = np.empty((batch, parts, num_heads, head_dim), dtype)
     _register_prefetch()
-    cpu_jit(_decode_partitions_cpu, parallel=True)(
+    # Little work runs on the calling thread: waking the worker threads costs more.
+    kv_bytes = 2 * int(layout.num_keys.sum()) * layout.num_kv_heads * head_dim * dtype.itemsize
+    cpu_jit(_decode_partitions_cpu, parallel=kv_bytes > SERIAL_KV_BYTES)(
         np.ascontiguousarray(q), layout.k_blocks, layout.v_blocks, layout.page_size,
         layout.lookup_table, layout.row_base, layout.num_keys, args.program, args.additive,
         args.has_additive, args.scale, block_k, dtype == np.float32, part_m, part_l,
         part_acc,
     )
-    # A small reduction runs on the calling thread: waking the worker threads again would
-    # cost more than it saves.
     parallel = part_acc.size > SERIAL_REDUCE_ELEMENTS
     cpu_jit(_decode_reduce_cpu, parallel=parallel)(
         part_m, part_l, part_acc, args.sinks, args.has_sink, result, lse
@@ -420,13 +423,16 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
         if w != 0:
             total += w * part_l[b, p, h]
     out_scale, row_lse = finish_row(big, total, sinks[h], has_sink)
-    for d in range(d0, part_acc.shape[3], d_step):
-        acc = 0.0
-        for p in range(num_parts):
-            w = merge_weight(part_m[b, p, h], big)
-            if w != 0:
-                acc += w * part_acc[b, p, h, d]
-        out[b, h, d] = acc * out_scale
+    head_dim = part_acc.shape[3]
+    for d in range(d0, head_dim, d_step):
+        out[b, h, d] = 0
+    for p in range(num_parts):  # one weight per partition, then its whole row
+        w = merge_weight(part_m[b, p, h], big)
+        if w != 0:
+            for d in range(d0, head_dim, d_step):
+                out[b, h, d] += w * part_acc[b, p, h, d]
+    for d in range(d0, head_dim, d_step):
+        out[b, h, d] *= out_scale
     if d0 == 0:
         lse[b, h] = row_lse
 

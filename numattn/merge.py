@@ -35,12 +35,14 @@ def merge_row(part_out, part_lse, r, out, lse):
     for p in range(num_parts):
         total += merge_weight(part_lse[p, r], big)
     for d in range(out.shape[1]):
-        acc = total - total
-        for p in range(num_parts):
-            w = merge_weight(part_lse[p, r], big)
-            if w != 0:
-                acc += w * part_out[p, r, d]
-        out[r, d] = acc / total
+        out[r, d] = 0.0
+    for p in range(num_parts):  # one weight per part, then its whole row
+        w = merge_weight(part_lse[p, r], big)
+        if w != 0:
+            for d in range(out.shape[1]):
+                out[r, d] += w * part_out[p, r, d]
+    for d in range(out.shape[1]):
+        out[r, d] /= total
     lse[r] = big + math.log(total)
 
 
