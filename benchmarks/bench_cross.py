@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 import numattn
-from numattn.bench import torch_or_none
+from numattn.bench import interleaved_times, torch_or_none
 from numattn.cross import cross_attention
 from numattn.flash import flash_attention_kv_cache
 
@@ -126,14 +126,8 @@ def main(argv=None):
     # processes on the shared machine hits them alike; ratios are medians of per-round ratios.
     names = list(runs)
     gemm_before = gemm_rate(dtype)
-    for fn in runs.values():
-        fn()  # warm up (compilation, caches)
-    times = {name: [] for name in names}
-    for rep in range(args.repeat):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-            t0 = time.perf_counter()
-            runs[name]()
-            times[name].append(time.perf_counter() - t0)
+    times = dict(zip(names, interleaved_times(list(runs.values()), repeat=args.repeat,
+                                              rotate=True)))
 
     def ratio(slow, fast):  # median over rounds of time(slow) / time(fast)
         return statistics.median(x / y for x, y in zip(times[slow], times[fast]))

@@ -19,14 +19,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 import numattn
-from numattn.bench import read_all_fn, torch_or_none
+from numattn.bench import interleaved_times, read_all_fn, torch_or_none
 from numattn.decode import decode_attention
 
 CASES = [
@@ -90,14 +89,7 @@ def main(argv=None):
             fns.append(torch_decode)
         # numattn, the read-bandwidth probe and torch take turns in every round, so that
         # all of them see the same state of this (shared, virtual) machine
-        times = [[] for _ in fns]
-        for fn in fns:
-            fn()
-        for _ in range(args.repeat):
-            for fn, t in zip(fns, times):
-                t0 = time.perf_counter()
-                fn()
-                t.append(time.perf_counter() - t0)
+        times = interleaved_times(fns, repeat=args.repeat)
         med, lo, hi = statistics.median(times[0]), min(times[0]), max(times[0])
         bandwidth = read_bytes / statistics.median(times[1]) / 1e9
         gbs = kv_bytes / med / 1e9

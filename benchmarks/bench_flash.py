@@ -29,33 +29,23 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 from numattn import CausalMask, PagedKVCache, SlidingWindowCausalMask
-from numattn.bench import gemm_gflops, torch_or_none
+from numattn.bench import gemm_gflops, interleaved_times, torch_or_none
 from numattn.flash import flash_attention_kv_cache
-
-
-def _timed(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def alternate(fns, repeat):
     """Median seconds of each callable, run in alternation ``repeat`` times after a warm-up.
 
-    Also returns the per-round times, so ratios can be taken within a round.
+    Also returns the per-round times (``rounds[r][i]``), so ratios can be taken within a round.
     """
-    for fn in fns:
-        fn()
-    rounds = [[_timed(fn) for fn in fns] for _ in range(repeat)]
-    medians = [statistics.median(r[i] for r in rounds) for i in range(len(fns))]
-    return medians, rounds
+    times = interleaved_times(fns, repeat=repeat)
+    return [statistics.median(t) for t in times], list(zip(*times))
 
 
 def causal_pairs(q_len, num_keys):

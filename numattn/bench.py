@@ -29,6 +29,7 @@ __all__ = [
     "BenchResult",
     "gemm_gflops",
     "interleaved_medians",
+    "interleaved_times",
     "median_time",
     "read_all_fn",
     "read_bandwidth_gbs",
@@ -52,8 +53,12 @@ def median_time(fn, *, repeat=5, warmup=1):
     return float(np.median(times))
 
 
-def interleaved_medians(fns, *, repeat=5, warmup=1):
-    """Median wall time (seconds) of each callable, timed in turn within each round.
+def interleaved_times(fns, *, repeat=5, warmup=1, rotate=False):
+    """Wall times (seconds) of each callable over ``repeat`` rounds that call each in turn.
+
+    Returns one list per callable; entry ``r`` of every list comes from round ``r``, so
+    ratios can be taken within a round.  ``rotate`` starts each round with the next
+    callable, so that none always runs right after the same neighbour.
 
     Interleaving lets every contender see the same machine: on a shared virtual machine
     the speed of memory moves between runs (the two virtual cores may share one chiplet's
@@ -64,12 +69,19 @@ def interleaved_medians(fns, *, repeat=5, warmup=1):
         for _ in range(warmup):
             fn()
     times = [[] for _ in fns]
-    for _ in range(repeat):
-        for fn, t in zip(fns, times):
+    order = list(range(len(fns)))
+    for r in range(repeat):
+        shift = r % len(fns) if rotate and fns else 0
+        for i in order[shift:] + order[:shift]:
             start = time.perf_counter()
-            fn()
-            t.append(time.perf_counter() - start)
-    return [float(np.median(t)) for t in times]
+            fns[i]()
+            times[i].append(time.perf_counter() - start)
+    return times
+
+
+def interleaved_medians(fns, *, repeat=5, warmup=1):
+    """Median of each callable's :func:`interleaved_times`."""
+    return [float(np.median(t)) for t in interleaved_times(fns, repeat=repeat, warmup=warmup)]
 
 
 @functools.cache

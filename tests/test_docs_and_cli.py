@@ -91,6 +91,18 @@ def test_interleaved_medians_times_every_callable_in_each_round():
     assert len(medians) == 2 and all(m >= 0 for m in medians)
 
 
+def test_interleaved_times_rotate_the_order_and_keep_rounds_aligned():
+    from numattn.bench import interleaved_times
+
+    calls = []
+    times = interleaved_times(
+        [lambda: calls.append("a"), lambda: calls.append("b"), lambda: calls.append("c")],
+        repeat=3, warmup=0, rotate=True,
+    )
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [len(t) for t in times] == [3, 3, 3]
+
+
 def test_read_all_fn_reads_the_requested_bytes():
     from numattn.bench import read_all_fn
 
