@@ -108,7 +108,13 @@ def _rebind(func, target):
 def _cpu_jit(func, parallel):
     import numba
 
-    return numba.njit(parallel=parallel, **CPU_OPTS)(_rebind(func, "cpu"))
+    clone = _rebind(func, "cpu")
+    if not parallel:
+        # Numba's on-disk cache names its files after the function and keys them by
+        # argument types only, not by ``parallel``: without a name of its own, a serial
+        # binding cached first would be loaded for the parallel one in later processes.
+        clone.__qualname__ += "_serial"
+    return numba.njit(parallel=parallel, **CPU_OPTS)(clone)
 
 
 def cpu_jit(func=None, *, parallel=False):

@@ -129,3 +129,32 @@ def test_cuda_request_without_gpu_is_a_clear_error():
         pass
     with pytest.raises(CudaUnavailableError, match="no CUDA GPU"):
         require_cuda()
+
+
+_REDUCE_ONCE = """
+import sys
+import numpy as np
+from numattn._jit import cpu_jit
+from numattn.decode import _decode_reduce_cpu
+kernel = cpu_jit(_decode_reduce_cpu, parallel=sys.argv[1] == "parallel")
+m = np.zeros((1, 2, 3), np.float32)
+kernel(m, np.ones_like(m), np.ones((1, 2, 3, 4), np.float32), np.zeros(3, np.float32), False,
+       np.empty((1, 3, 4), np.float32), np.empty((1, 3), np.float32))
+print(sum(kernel.stats.cache_hits.values()))
+"""
+
+
+def test_serial_and_parallel_bindings_keep_apart_in_the_disk_cache(tmp_path):
+    # Numba keys its cache by argument types only: a serial binding cached first must not
+    # be loaded for the parallel one in a later process (which would then use one thread).
+    env = {k: v for k, v in os.environ.items() if k != "NUMATTN_CACHE"}
+    env["NUMBA_CACHE_DIR"] = str(tmp_path)
+
+    def run(mode):
+        result = subprocess.run([sys.executable, "-c", _REDUCE_ONCE, mode], capture_output=True,
+                                text=True, env=env, check=True)
+        return int(result.stdout.split()[-1])
+
+    assert run("serial") == 0  # compiled and written to the cache
+    assert run("parallel") == 0  # not the serial entry
+    assert run("parallel") == 1 and run("serial") == 1  # each finds its own
