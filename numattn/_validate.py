@@ -66,7 +66,13 @@ def host_int_array(name, x, *, ndim=1):
         x = get_cuda().as_cuda_array(x).copy_to_host()
     if not isinstance(x, np.ndarray):
         if isinstance(x, (list, tuple)):
-            x = np.asarray(x)
+            try:
+                x = np.asarray(x)
+            except ValueError as exc:  # ragged nesting
+                raise ValueError(
+                    f"{name} must be a rectangular sequence of integers, got a ragged "
+                    f"{type(x).__name__}"
+                ) from exc
         else:
             raise TypeError(f"{name} must be an integer array, got {type(x).__name__}")
     if x.dtype.kind not in "iu":

@@ -438,15 +438,15 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
                     visible = mask_visible(program, r, key)
                 for hl in range(heads_per_block):
                     i = lr * heads_per_block + hl
-                    if visible:
-                        h = h0 + hl
+                    h = h0 + hl
+                    bias = zero
+                    if visible and has_additive:  # -inf hides the key, whatever it holds
+                        bias = additive[mask_b, h if per_head_mask else 0, r, key]
+                    if visible and bias != -math.inf:
                         dot = zero
                         for d in range(head_dim):
                             dot += q[token0 + lr, h, d] * k_rows[row, kv_head, d]
-                        s = dot * scale
-                        if has_additive:
-                            s += additive[mask_b, h if per_head_mask else 0, r, key]
-                        scores[i * block_k + j] = s
+                        scores[i * block_k + j] = dot * scale + bias
                     else:
                         scores[i * block_k + j] = -math.inf
         cuda.syncthreads()

@@ -390,6 +390,15 @@ def key_bias(additive, b, h, t):
 
 
 @body
+def key_hidden(program, status, q_idx, has_additive, additive, b, h, t):
+    """True when the mask (tile ``status``) or the additive tensor hides key ``t`` from head
+    ``h`` of sequence ``b``."""
+    if status != TILE_NONE and not mask_visible(program, q_idx, t):
+        return True
+    return has_additive and key_bias(additive, b, h, t) == -math.inf
+
+
+@body
 def rescale_state(m, l, tile_max):
     """Move a partial state to the max of a new tile of scores.
 
@@ -408,8 +417,9 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
     ``d = d0, d0 + d_step, ...`` and ``lse[b, h]`` (written when ``d0 == 0``).
 
     ``M = max_p m_p``, ``w_p = e^(m_p - M)``, ``L = sum w_p l_p``, ``acc = sum w_p acc_p``;
-    partitions with ``w_p == 0`` (empty ones: ``m_p = -inf``) are skipped, and the sink
-    enters once, in :func:`finish_row`.
+    empty partitions (``m_p = -inf``) are skipped, and the sink enters once, in
+    :func:`finish_row`.  (A partition whose weight underflows to 0 still adds
+    ``0 * acc_p``, so NaN from a visible row propagates.)
     """
     num_parts = part_m.shape[1]
     big = part_m[b, 0, h]
@@ -419,16 +429,15 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
             big = x
     total = 0.0
     for p in range(num_parts):
-        w = merge_weight(part_m[b, p, h], big)
-        if w != 0:
-            total += w * part_l[b, p, h]
+        if part_m[b, p, h] != -math.inf:
+            total += merge_weight(part_m[b, p, h], big) * part_l[b, p, h]
     out_scale, row_lse = finish_row(big, total, sinks[h], has_sink)
     head_dim = part_acc.shape[3]
     for d in range(d0, head_dim, d_step):
         out[b, h, d] = 0
     for p in range(num_parts):  # one weight per partition, then its whole row
-        w = merge_weight(part_m[b, p, h], big)
-        if w != 0:
+        if part_m[b, p, h] != -math.inf:
+            w = merge_weight(part_m[b, p, h], big)
             for d in range(d0, head_dim, d_step):
                 out[b, h, d] += w * part_acc[b, p, h, d]
     for d in range(d0, head_dim, d_step):
@@ -470,6 +479,7 @@ def _decode_partitions_cpu(q, k_blocks, v_blocks, page_size, lookup_table, row_b
                 acc[h, d] = 0
                 qs[h, d] = q[b, h, d] * scale
         s_buf = np.empty(num_heads * block_k, dtype=q.dtype)
+        h_buf = np.empty(num_heads * block_k, dtype=np.bool_)
         alpha = np.empty(num_heads, dtype=q.dtype)
         bits = np.empty(block_k, dtype=np.int64)
         pages = np.empty(block_k + PREFETCH_KEYS, dtype=np.int64)
@@ -493,21 +503,21 @@ def _decode_partitions_cpu(q, k_blocks, v_blocks, page_size, lookup_table, row_b
                     page_idx += 1
                     page = lookup_table[b, page_idx]
             scores = s_buf[:num_heads * n].reshape(num_heads, n)
+            hidden = h_buf[:num_heads * n].reshape(num_heads, n)  # filled for masked tiles
             # Hidden keys are scored too (their rows are in range) and then replaced by
             # -inf below, so nothing they hold is used.
             _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores)
-            if status != TILE_NONE or has_additive:
+            all_visible = status == TILE_NONE and not has_additive
+            if not all_visible:
                 for i in range(n):
                     visible = status == TILE_NONE or mask_visible(program, q_idx, k0 + i)
                     for h in range(num_heads):
-                        if not visible:
+                        bias = key_bias(additive, b, h, k0 + i) if has_additive else 0.0
+                        hidden[h, i] = not visible or bias == -math.inf
+                        if hidden[h, i]:
                             scores[h, i] = -math.inf
-                        elif has_additive:
-                            bias = key_bias(additive, b, h, k0 + i)
-                            if bias == -math.inf:
-                                scores[h, i] = bias
-                            else:
-                                scores[h, i] += bias
+                        else:
+                            scores[h, i] += bias
             if single:
                 _softmax_tile_f32(scores, m, l, alpha, bits.view(np.int32))
             else:
@@ -518,7 +528,7 @@ def _decode_partitions_cpu(q, k_blocks, v_blocks, page_size, lookup_table, row_b
                     for d in range(head_dim):
                         acc[h, d] *= a
             _tile_values(scores, k_blocks, v_blocks, pages, slots, n, ahead, group,
-                         status == TILE_NONE and not has_additive, acc)
+                         all_visible, hidden, acc)
 
 
 @body
@@ -626,14 +636,15 @@ def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores):
 
 @body
 def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, all_visible,
-                 acc):
+                 hidden, acc):
     """``acc[h] += sum_i weights[h, i] V[i, h // group]`` over a tile (CPU only).
 
     Keys in fours and heads in pairs (one head at a time for an odd ``group``): one sweep
     over D adds four weighted V rows to the accumulators of two heads of a KV head, each V
     element loaded once for both.  (Wider blocks measured slower: their weights no longer
-    fit in registers.)  Unless the tile is ``all_visible``, a key of weight 0 (hidden) is
-    left out, so no NaN its slot holds reaches ``acc``.  The rows of keys
+    fit in registers.)  Unless the tile is ``all_visible``, the keys ``hidden[h, i]`` marks
+    are left out, so no NaN their slots hold reaches ``acc`` (a visible key whose weight
+    underflowed to 0 still adds ``0 * V``: NaN in a visible row propagates).  The rows of keys
     :data:`PREFETCH_KEYS` ahead are asked for (then the next tile's first K rows).
     Plain 2-d indexing, not row views: the compiler then sees one array stored to and
     vectorises the sweep.
@@ -661,12 +672,15 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, all
             x1 = weights[h + step - 1, i + 1]
             x2 = weights[h + step - 1, i + 2]
             x3 = weights[h + step - 1, i + 3]
-            if not all_visible and (w0 == 0 or w1 == 0 or w2 == 0 or w3 == 0
-                                    or x0 == 0 or x1 == 0 or x2 == 0 or x3 == 0):
-                for g in range(h, h + step):  # key by key, leaving out weights of 0
+            if not all_visible and (hidden[h, i] or hidden[h, i + 1] or hidden[h, i + 2]
+                                    or hidden[h, i + 3] or hidden[h + step - 1, i]
+                                    or hidden[h + step - 1, i + 1]
+                                    or hidden[h + step - 1, i + 2]
+                                    or hidden[h + step - 1, i + 3]):
+                for g in range(h, h + step):  # key by key, leaving out hidden keys
                     for u in range(4):
                         wu = weights[g, i + u]
-                        if wu != 0:
+                        if not hidden[g, i + u]:
                             pu = pages[i + u]
                             su = slots[i + u]
                             for d in range(head_dim):
@@ -688,7 +702,7 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, all
         p0, s0 = pages[i], slots[i]
         for h in range(weights.shape[0]):
             w0 = weights[h, i]
-            if all_visible or w0 != 0:
+            if all_visible or not hidden[h, i]:
                 j = h // group
                 for d in range(head_dim):
                     acc[h, d] += w0 * v_blocks[p0, s0, j, d]
@@ -880,7 +894,10 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
                 page = lookup_table[b, page_idx]
                 for i in range(n):
                     p = shared[g * tile + i]
-                    if p != 0:
+                    # a weight of 0 is a hidden key (left out: its slot may hold NaN) or
+                    # a visible one whose weight underflowed (0 * V: NaN propagates)
+                    if p != 0 or not key_hidden(program, status, q_idx, has_additive,
+                                                additive, b, h0 + g, k0 + i):
                         total += p * v_blocks[page, slot, j, d]
                     slot += 1
                     if slot == page_size and i + 1 < n:

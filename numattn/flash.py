@@ -57,6 +57,7 @@ from .masks import (
     TILE_FULL,
     TILE_NONE,
     TILE_PARTIAL,
+    add_bias,
     additive_4d,
     compile_mask,
     mask_tile_status,
@@ -184,6 +185,8 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
             kv_offsets = q_offsets if kv_input_row_offsets is None else kv_input_row_offsets
             layout = resolve_kv(k, v, batch=batch, dtype=dtype, kv_offsets=kv_offsets)
         s_len = int(q_lens.max()) if batch else 0
+    if head_dim < 1:
+        raise ValueError(f"q must have a head dimension D >= 1, got shape {list(shape_of(q))}")
     if layout.head_dim != head_dim:
         raise ValueError(f"k and v must have head dim D = {head_dim} (q's), got "
                          f"{layout.head_dim}")
@@ -569,13 +572,15 @@ def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, bits, visible
                         scores[i, j] = -np.inf
                     if has_additive:
                         for j in range(jlo, jhi):
-                            scores[i, j] += additive[bm, hm, row0 + r, k0 + ka + j]
+                            scores[i, j] = add_bias(
+                                scores[i, j], additive[bm, hm, row0 + r, k0 + ka + j])
                     continue
                 for j in range(nk):
                     if not visible[j]:
                         scores[i, j] = -np.inf
                     elif has_additive:
-                        scores[i, j] += additive[bm, hm, row0 + r, k0 + ka + j]
+                        scores[i, j] = add_bias(
+                            scores[i, j], additive[bm, hm, row0 + r, k0 + ka + j])
     m_rows = m_run[i0: i0 + rows]
     l_rows = l_run[i0: i0 + rows]
     alpha_rows = alpha[:rows]

@@ -50,12 +50,23 @@ def kv_page_slot(lookup_table, page_size, row_base, b, t):
 class _CacheBase:
     def __post_init__(self):
         cls = type(self).__name__
+        if not (hasattr(self.blocks, "shape") and hasattr(self.blocks, "dtype")):
+            raise TypeError(
+                f"{cls}.blocks must be a NumPy or CUDA device array (store_kv writes the cache "
+                f"in place, so it is never copied), got {type(self.blocks).__name__}"
+            )
         check_array(f"{cls}.blocks", self.blocks, ndim=4)
         check_float_dtype(f"{cls}.blocks", self.blocks)
         lengths = host_int_array(f"{cls}.cache_lengths", self.cache_lengths)
         if np.any(lengths < 0):
             raise ValueError(f"{cls}.cache_lengths must be >= 0, got min {lengths.min()}")
         table = host_int_array(f"{cls}.lookup_table", self.lookup_table, ndim=self._table_ndim)
+        # Index sequences become int64 arrays, so the attributes always have a shape;
+        # arrays (host or device) are kept as given.
+        if isinstance(self.cache_lengths, (list, tuple)):
+            object.__setattr__(self, "cache_lengths", lengths)
+        if isinstance(self.lookup_table, (list, tuple)):
+            object.__setattr__(self, "lookup_table", table)
         if table.shape[0] != lengths.shape[0]:
             raise ValueError(
                 f"{cls}.lookup_table has {table.shape[0]} rows but cache_lengths has "
@@ -91,11 +102,20 @@ class ContinuousBatchingKVCache(_CacheBase):
     Parameters
     ----------
     blocks : ndarray, shape [num_blocks, max_seq_len, Hkv, D]
-        Key (or value) storage, float32 or float64.
-    cache_lengths : int array, shape [B]
-        Tokens cached for each sequence *before* this step.
-    lookup_table : int array, shape [B]
-        The block of each sequence.
+        Key (or value) storage, float32 or float64 (a NumPy or CUDA device array, never
+        copied: :func:`store_kv` writes into it).
+    cache_lengths : int array or sequence of ints, shape [B]
+        Tokens cached for each sequence *before* this step.  A list or tuple is stored as
+        an int64 array; an array is kept as given.
+    lookup_table : int array or sequence of ints, shape [B]
+        The block of each sequence (a list or tuple is stored as an int64 array).
+
+    Raises
+    ------
+    TypeError
+        If ``blocks`` is not a float32/float64 array, or the index arguments are not integer.
+    ValueError
+        If shapes disagree or a cache length is negative.
 
     Examples
     --------
@@ -125,12 +145,22 @@ class PagedKVCache(_CacheBase):
     Parameters
     ----------
     blocks : ndarray, shape [num_pages, page_size, Hkv, D]
-        Key (or value) pages, float32 or float64.
-    cache_lengths : int array, shape [B]
-        Tokens cached for each sequence *before* this step.
-    lookup_table : int array, shape [B, max_pages]
+        Key (or value) pages, float32 or float64 (a NumPy or CUDA device array, never
+        copied: :func:`store_kv` writes into it).
+    cache_lengths : int array or sequence of ints, shape [B]
+        Tokens cached for each sequence *before* this step.  A list or tuple is stored as
+        an int64 array; an array is kept as given.
+    lookup_table : int array or nested sequence of ints, shape [B, max_pages]
         Page ``j`` of sequence ``b`` is ``blocks[lookup_table[b, j]]``.  Entries that no
-        needed token uses may hold any value (a sentinel such as ``num_pages``).
+        needed token uses may hold any value (a sentinel such as ``num_pages``).  A list or
+        tuple is stored as an int64 array.
+
+    Raises
+    ------
+    TypeError
+        If ``blocks`` is not a float32/float64 array, or the index arguments are not integer.
+    ValueError
+        If shapes disagree or a cache length is negative.
 
     Examples
     --------
@@ -265,16 +295,25 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
             f"the cache holds {lengths.shape[0]} sequences (cache_lengths) but the queries "
             f"hold {batch}"
         )
-    num_keys = lengths + (0 if kv_lens is None else kv_lens)
     pages, page_size, hkv, d = shape_of(k.blocks)
     if isinstance(k, ContinuousBatchingKVCache):
-        over = num_keys > page_size
-        if np.any(over):
-            b = int(np.argmax(over))
-            raise ValueError(
-                f"sequence {b} needs {num_keys[b]} tokens (cache_lengths + new rows) but the "
-                f"cache holds max_seq_len = {page_size} per sequence"
-            )
+        capacity, limit = page_size, f"the cache holds max_seq_len = {page_size}"
+    else:
+        capacity = min(table.shape[1] * page_size, int(np.iinfo(np.int64).max))
+        limit = f"its lookup_table row holds {table.shape[1]} pages of {page_size}"
+    # Compare with the room left (0 <= lengths, kv_lens, capacity <= int64 max) instead of
+    # adding: cache_lengths near the int64 limit must not wrap.
+    kv_lens = np.zeros(batch, np.int64) if kv_lens is None else kv_lens
+    over = (lengths > capacity) | (kv_lens > capacity - lengths)
+    if np.any(over):
+        b = int(np.argmax(over))
+        length, new = int(lengths[b]), int(kv_lens[b])
+        raise ValueError(
+            f"sequence {b} needs {length + new} tokens ({cls}.cache_lengths[{b}] = {length} "
+            f"plus {new} new rows) but {limit}"
+        )
+    num_keys = lengths + kv_lens
+    if isinstance(k, ContinuousBatchingKVCache):
         used = num_keys > 0
         bad = used & ((table < 0) | (table >= pages))
         if np.any(bad):
@@ -286,13 +325,6 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
         table = table.reshape(batch, 1)
     else:
         max_pages = table.shape[1]
-        over = num_keys > max_pages * page_size
-        if np.any(over):
-            b = int(np.argmax(over))
-            raise ValueError(
-                f"sequence {b} needs {num_keys[b]} tokens (cache_lengths + new rows) but its "
-                f"lookup_table row holds {max_pages} pages of {page_size}"
-            )
         needed = np.arange(max_pages)[None, :] * page_size < num_keys[:, None]
         bad = needed & ((table < 0) | (table >= pages))
         if np.any(bad):
@@ -334,8 +366,9 @@ def store_kv(cache, new_rows, input_row_offsets):
     Raises
     ------
     ValueError
-        If a row would land past the sequence's capacity or on a page index out of range,
-        or if shapes disagree.
+        If a row would land past the sequence's capacity (checked without overflow, also
+        for ``cache_lengths`` near the int64 limit) or on a page index out of range, or if
+        shapes disagree.
     TypeError
         If ``cache`` is not a cache or dtypes disagree.
 

@@ -20,6 +20,7 @@ FULL when a pair is visible, never NONE when a pair is hidden.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,6 +114,18 @@ def mask_visible(program, q_idx, k_idx):
         else:
             stack = (stack << 1) | _leaf_visible(op, program[i, 1], q_idx, k_idx)
     return (stack & 1) == 1
+
+
+@body
+def add_bias(score, bias):
+    """``score + bias`` (an additive mask's entry), or ``-inf`` when ``bias`` is ``-inf``.
+
+    A ``-inf`` entry hides the key whatever its score: a NaN or inf score (from NaN or inf
+    in a hidden cache slot) would make ``score + bias`` NaN.
+    """
+    if bias == -math.inf:
+        return bias
+    return score + bias
 
 
 @body

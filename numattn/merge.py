@@ -37,8 +37,8 @@ def merge_row(part_out, part_lse, r, out, lse):
     for d in range(out.shape[1]):
         out[r, d] = 0.0
     for p in range(num_parts):  # one weight per part, then its whole row
-        w = merge_weight(part_lse[p, r], big)
-        if w != 0:
+        if part_lse[p, r] != -math.inf:  # (a weight that underflowed to 0 still counts)
+            w = merge_weight(part_lse[p, r], big)
             for d in range(out.shape[1]):
                 out[r, d] += w * part_out[p, r, d]
     for d in range(out.shape[1]):

@@ -63,7 +63,9 @@ def _attend(q, keys, values, q_pos, rows, b, mask, scale, sink_weights):
     additive = _additive_tensor(mask)
     for head in range(h):
         kv = head // group
-        scores = scale * (q[:, head, :] @ keys[:, kv, :].T)  # [S, N]
+        with np.errstate(invalid="ignore", over="ignore"):  # inf in hidden slots is allowed
+            scores = scale * (q[:, head, :] @ keys[:, kv, :].T)  # [S, N]
+        seen = visible
         if additive is not None and n:
             t = np.asarray(additive, dtype=np.float64)
             if t.ndim == 2:
@@ -73,10 +75,9 @@ def _attend(q, keys, values, q_pos, rows, b, mask, scale, sink_weights):
             else:
                 bias = t[b, head][rows][:, :n]
             scores = scores + bias
+            seen = visible & (bias != -np.inf)  # -inf hides the key, whatever its score
         for i in range(s_len):
-            sel = visible[i].copy()
-            if additive is not None:
-                sel &= ~(scores[i] == -np.inf)
+            sel = seen[i]
             s = scores[i, sel]
             sink = None if sink_weights is None else float(sink_weights[head])
             if s.size == 0 and sink is None:

@@ -220,6 +220,28 @@ def test_nan_in_hidden_keys_never_reaches_output(kind, rng):
     assert np.all(np.isfinite(out))
 
 
+def test_additive_minus_inf_hides_nan_and_inf_keys(rng):
+    check_additive_minus_inf_hides_nan_keys(rng, "cpu")
+
+
+def check_additive_minus_inf_hides_nan_keys(rng, device):
+    """-inf in an additive mask hides a key even when its K row holds NaN or inf."""
+    problem = make_problem(rng, "ragged", (3, 2), (5, 4), (0, 0), 4, 2, 6, np.float64)
+    bias = randn(rng, (2, 4, problem["q_max_seq_len"], 5), np.float64)
+    bias[:, :, :, 1] = -np.inf  # key 1 of each sequence: hidden everywhere
+    bias[1, 2:, :, 3] = -np.inf  # key 3 of sequence 1: hidden from KV head 1's heads
+    want = reference.cross_attention(**problem, mask=bias)
+    k, v, kv_offsets = problem["k"], problem["v"], problem["kv_input_row_offsets"]
+    for b in range(2):
+        k[kv_offsets[b] + 1] = np.nan
+        v[kv_offsets[b] + 1] = np.inf
+    k[kv_offsets[1] + 3, 1] = np.inf
+    v[kv_offsets[1] + 3, 1] = np.nan
+    out = cross_attention(**problem, mask=bias, device=device,
+                          config=numattn.MHAConfig(block_k=2, threads_per_block=32))
+    assert_close(out, want, np.float64)
+
+
 def test_nan_in_visible_input_propagates(rng):
     problem = make_problem(rng, "ragged", (2, 3), (4, 4), (0, 0), 2, 1, 4, np.float32)
     problem["q"][3, 1, 2] = np.nan  # second sequence, row 1, head 1

@@ -22,6 +22,7 @@ from numattn.masks import CausalMask, NullMask
 from .conftest import requires_cuda
 from .test_cross import (
     check,
+    check_additive_minus_inf_hides_nan_keys,
     check_zero_heads,
     make_mask,
     make_problem,
@@ -123,6 +124,11 @@ def test_cuda_many_page_crossings_and_hidden_nan(rng):
     assert np.all(np.isfinite(out))
     check(problem, NullMask(), device="cuda", config=numattn.MHAConfig(block_k=5,
                                                                       threads_per_block=32))
+
+
+@requires_cuda
+def test_cuda_additive_minus_inf_hides_nan_and_inf_keys(rng):
+    check_additive_minus_inf_hides_nan_keys(rng, "cuda")
 
 
 @requires_cuda

@@ -144,6 +144,61 @@ def test_nan_in_a_visible_key_propagates_to_its_heads_only(rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["none", "window", "additive"])
+def test_nan_in_a_visible_value_propagates_when_its_weight_underflows(dtype, kind, rng):
+    """A visible key whose weight is exactly 0 still adds 0 * V (NaN stays NaN), on tiles
+    with and without hidden keys; key 0 (hidden by the window) holds NaN and must not."""
+    mask = {"none": NullMask(), "window": SlidingWindowCausalMask(6),
+            "additive": MaterializedMask(np.zeros((1, 1, 1, 8), dtype))}[kind]
+    q = np.zeros((1, 1, 4), dtype)
+    q[0, 0, 0] = 1
+    k = randn(rng, (1, 8, 1, 4), dtype) * 0.1
+    k[0, 3, 0, 0] = -1e5  # score -1e5: weight e^(s - M) == 0 exactly
+    v = randn(rng, (1, 8, 1, 4), dtype)
+    v[0, 3, 0, 1] = np.nan
+    if isinstance(mask, SlidingWindowCausalMask):
+        k[0, 0] = np.nan
+        v[0, 0] = np.nan
+    for parts in (1, 2):
+        out = decode_attention(q, k, v, mask, scale=1.0, num_partitions=parts, config=SMALL)
+        assert np.isnan(out[0, 0, 1]) and np.isfinite(out[0, 0, [0, 2, 3]]).all()
+        ref = numattn.reference.decode_attention(q, k, v, mask, scale=1.0)
+        assert np.isnan(ref[0, 0, 1])
+
+
+def test_nan_in_a_partition_whose_weight_underflows_propagates(rng):
+    """Split-K: a whole partition whose max is far below the others weighs exactly 0 in the
+    merge; NaN in its visible rows must still reach the output."""
+    q = np.zeros((1, 1, 4))
+    q[0, 0, 0] = 1
+    k = randn(rng, (1, 8, 1, 4), np.float64) * 0.1
+    k[0, :4, 0, 0] = -1e5  # partition 0 (keys 0..3): every weight underflows
+    v = randn(rng, (1, 8, 1, 4), np.float64)
+    v[0, 2, 0, 3] = np.nan
+    out = decode_attention(q, k, v, scale=1.0, num_partitions=2, config=SMALL)
+    assert np.isnan(out[0, 0, 3]) and np.isfinite(out[0, 0, :3]).all()
+
+
+def test_additive_minus_inf_hides_nan_and_inf_keys(rng):
+    """-inf in an additive mask hides the key even when its score is NaN or inf."""
+    q = randn(rng, (2, 4, 8), np.float64)
+    k = randn(rng, (2, 9, 2, 8), np.float64)
+    v = randn(rng, (2, 9, 2, 8), np.float64)
+    bias = randn(rng, (2, 4, 1, 9), np.float64)
+    bias[:, :, 0, 4] = -np.inf
+    bias[1, 2:, 0, 6] = -np.inf  # sequence 1, heads 2-3 (KV head 1) only
+    ref = numattn.reference.decode_attention(q, k, v, MaterializedMask(bias))
+    k[:, 4] = np.nan
+    v[:, 4] = np.inf
+    k[1, 6, 1] = np.inf
+    v[1, 6, 1] = np.nan
+    for parts in (1, 3):
+        out = decode_attention(q, k, v, MaterializedMask(bias), num_partitions=parts,
+                               config=SMALL)
+        assert_close(out, ref, np.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_sinks_counted_once(dtype, rng):
     lengths = [0, 3, 40, 200]
     k, v = make_kv(rng, "paged", lengths, [1] * 4, 2, 16, dtype, page_size=16)

@@ -79,6 +79,26 @@ def test_cuda_device_arrays_in_place_and_head_passes(rng, monkeypatch):
 
 
 @requires_cuda
+def test_cuda_nan_in_a_visible_value_propagates_when_its_weight_underflows(rng):
+    """As on the CPU: a visible key of weight exactly 0 adds 0 * V (NaN stays NaN), while
+    keys hidden by the window or by a -inf additive entry hold NaN and never show."""
+    q = np.zeros((1, 1, 4))
+    q[0, 0, 0] = 1
+    k = randn(rng, (1, 8, 1, 4), np.float64) * 0.1
+    k[0, 3, 0, 0] = -1e5  # weight e^(s - M) == 0 exactly
+    v = randn(rng, (1, 8, 1, 4), np.float64)
+    v[0, 3, 0, 1] = np.nan
+    k[0, 0] = v[0, 0] = np.nan  # hidden by the window
+    k[0, 5] = v[0, 5] = np.nan  # hidden by the additive tensor
+    bias = np.zeros((1, 1, 1, 8))
+    bias[..., 5] = -np.inf
+    for mask in (SlidingWindowCausalMask(7) & MaterializedMask(bias),):
+        out = decode_attention(q, k, v, mask, scale=1.0, num_partitions=2, device="cuda",
+                               config=TINY)
+        assert np.isnan(out[0, 0, 1]) and np.isfinite(out[0, 0, [0, 2, 3]]).all()
+
+
+@requires_cuda
 def test_cuda_nan_in_unused_slots_and_repeatability(rng):
     dtype = np.float32
     k, v = make_kv(rng, "continuous", [3, 10], [1, 1], 1, 4, dtype, fill=np.nan)

@@ -265,6 +265,35 @@ def test_nan_in_visible_value_propagates(rng):
         assert np.all(np.isfinite(out[..., [0, 2, 3]]))
 
 
+@pytest.mark.parametrize("form", ["materialized", "plain", "and_causal"])
+def test_additive_minus_inf_hides_nan_and_inf_keys(rng, form):
+    """-inf in an additive mask hides a key even when its K row holds NaN or inf (the score
+    plus -inf would be NaN)."""
+    dtype = np.float64
+    q = randn(rng, (2, 5, 4, 8), dtype)
+    k = randn(rng, (2, 7, 2, 8), dtype)
+    v = randn(rng, (2, 7, 2, 8), dtype)
+    bias = randn(rng, (2, 4, 5, 7), dtype)
+    bias[:, :, :, 2] = -np.inf  # key 2: hidden everywhere
+    bias[1, 2:, :, 5] = -np.inf  # key 5 of sequence 1: hidden from KV head 1's query heads
+    mask = {"materialized": MaterializedMask(bias), "plain": bias,
+            "and_causal": MaterializedMask(bias) & CausalMask()}[form]
+    want = reference.flash_attention_kv_cache(q, k, v, mask)
+    k[:, 2] = np.nan
+    v[:, 2] = np.inf
+    k[1, 5, 1] = np.inf
+    v[1, 5, 1] = np.nan
+    assert np.isfinite(reference.flash_attention_kv_cache(q, k, v, mask)).all()
+    for config in (None, MHAConfig(block_q=2, block_k=3)):
+        assert_close(flash_attention_kv_cache(q, k, v, mask, config=config), want, dtype)
+
+
+def test_zero_head_dim_is_rejected():
+    q = np.zeros((1, 2, 1, 0))
+    with pytest.raises(ValueError, match="D >= 1"):
+        flash_attention_kv_cache(q, q, q, None)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fully_masked_rows(rng, dtype):
     # Padded dense K shorter than the queries: the first rows sit at negative positions.

@@ -169,3 +169,118 @@ def test_store_kv_validates_before_writing(rng):
     with pytest.raises(TypeError, match="cache must be"):
         numattn.store_kv(kb, rows, [0, 4, 9])
     assert np.array_equal(kb, before, equal_nan=True)
+
+
+HUGE = 2**63 - 1  # int64 max: adding this step's rows would wrap negative
+
+
+def _capacity_message(kind):
+    return "max_seq_len = " if kind == "continuous" else "pages of 4"
+
+
+@pytest.mark.parametrize("huge", [HUGE, HUGE - 1, 2**62])
+@pytest.mark.parametrize("kind", ["continuous", "paged"])
+def test_cache_lengths_near_int64_limit_are_rejected_by_every_entry_point(kind, huge, rng):
+    kb, vb, _, _, table = make_cache(rng, kind, [3, 2], 1, 4, np.float32, page_size=4)
+    cls = numattn.PagedKVCache if kind == "paged" else numattn.ContinuousBatchingKVCache
+    lengths = np.array([2, huge])
+    k, v = cls(kb, lengths, table), cls(vb, lengths, table)
+    k_before, v_before = kb.copy(), vb.copy()
+    where = rf"sequence 1 needs .*cache_lengths\[1\] = {huge} .*{_capacity_message(kind)}"
+
+    out = np.full((2, 2, 4), 3.0, np.float32)
+    with pytest.raises(ValueError, match=where):
+        numattn.decode_attention(rng.standard_normal((2, 2, 4)).astype(np.float32), k, v,
+                                 out=out)
+    assert np.all(out == 3.0)
+
+    out = np.full((2, 3, 2, 4), 3.0, np.float32)
+    with pytest.raises(ValueError, match=where):
+        numattn.flash_attention_kv_cache(
+            rng.standard_normal((2, 3, 2, 4)).astype(np.float32), k, v, None, out=out)
+    assert np.all(out == 3.0)
+
+    out = np.full((3, 2, 4), 3.0, np.float32)
+    with pytest.raises(ValueError, match=where):
+        numattn.cross_attention(rng.standard_normal((3, 2, 4)).astype(np.float32),
+                                np.array([0, 1, 3]), 2, k, v, None, out=out)
+    assert np.all(out == 3.0)
+
+    with pytest.raises(ValueError, match=where):
+        numattn.store_kv(k, rng.standard_normal((3, 1, 4)).astype(np.float32), [0, 1, 3])
+    # even with no new row for that sequence: its length alone exceeds the capacity
+    with pytest.raises(ValueError, match=where):
+        numattn.store_kv(k, rng.standard_normal((1, 1, 4)).astype(np.float32), [0, 1, 1])
+    assert np.array_equal(kb, k_before, equal_nan=True)
+    assert np.array_equal(vb, v_before, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["continuous", "paged"])
+def test_capacity_check_cannot_wrap_and_accepts_a_full_cache(kind, rng):
+    kb, _, _, _, table = make_cache(rng, kind, [4, 1], 1, 2, np.float32, page_size=4)
+    cls = numattn.PagedKVCache if kind == "paged" else numattn.ContinuousBatchingKVCache
+    table = np.where(table < kb.shape[0], table, 0)  # a full sequence uses every page
+    capacity = cls(kb, np.array([0, 0]), table).capacity
+    cache = cls(kb, np.array([capacity, 1]), table)
+    # a full cache with no new rows is fine; one more row is not
+    layout = resolve_kv(cache, cache, batch=2, dtype=F32, kv_lens=np.array([0, 0]))
+    assert layout.num_keys.tolist() == [capacity, 1]
+    with pytest.raises(ValueError, match=rf"sequence 0 needs {capacity + 1} tokens"):
+        resolve_kv(cache, cache, batch=2, dtype=F32, kv_lens=np.array([1, 0]))
+    # huge new-row counts (e.g. from kv_input_row_offsets) must not wrap either
+    with pytest.raises(ValueError, match=rf"sequence 1 needs {HUGE + 1} tokens"):
+        resolve_kv(cache, cache, batch=2, dtype=F32, kv_lens=np.array([0, HUGE]))
+
+
+@pytest.mark.parametrize("as_seq", [list, tuple])
+@pytest.mark.parametrize("kind", ["continuous", "paged"])
+def test_caches_built_from_sequences_work_like_array_caches(kind, as_seq, rng):
+    lengths = np.array([3, 0, 6])
+    new = np.array([1, 1, 1])
+    kb, vb, _, _, table = make_cache(rng, kind, lengths + new, 2, 4, np.float32, page_size=4)
+    cls = numattn.PagedKVCache if kind == "paged" else numattn.ContinuousBatchingKVCache
+    seq_table = as_seq(as_seq(row) for row in table.tolist()) if table.ndim == 2 else as_seq(
+        table.tolist())
+    k_arr, v_arr = cls(kb, lengths, table), cls(vb, lengths, table)
+    k_seq = cls(kb.copy(), as_seq(lengths.tolist()), seq_table)
+    v_seq = cls(vb.copy(), as_seq(lengths.tolist()), seq_table)
+    for cache in (k_seq, v_seq):
+        assert isinstance(cache.cache_lengths, np.ndarray)
+        assert cache.cache_lengths.dtype == np.int64
+        assert cache.lookup_table.dtype == np.int64
+        assert np.array_equal(cache.lookup_table, table)
+        assert cache.batch_size == 3
+    # array arguments are kept as the very same objects
+    assert k_arr.cache_lengths is lengths and k_arr.lookup_table is table
+
+    q = rng.standard_normal((3, 4, 4)).astype(np.float32)
+    want, want_lse = numattn.decode_attention(q, k_arr, v_arr, return_lse=True)
+    got, got_lse = numattn.decode_attention(q, k_seq, v_seq, return_lse=True)
+    assert np.array_equal(got, want) and np.array_equal(got_lse, want_lse)
+    assert np.all(np.isfinite(got))
+
+    rows = rng.standard_normal((3, 2, 4)).astype(np.float32)
+    numattn.store_kv(k_arr, rows, np.arange(4))
+    assert numattn.store_kv(k_seq, rows, [0, 1, 2, 3]) is k_seq
+    assert np.array_equal(k_seq.blocks, kb, equal_nan=True)
+    assert k_seq.with_cache_lengths(as_seq([4, 1, 7])).cache_lengths.tolist() == [4, 1, 7]
+
+
+@pytest.mark.parametrize("cls", [numattn.ContinuousBatchingKVCache, numattn.PagedKVCache])
+def test_cache_sequences_must_hold_integers_and_blocks_an_array(cls):
+    blocks = np.zeros((2, 4, 1, 3), np.float32)
+    table = [0, 1] if cls is numattn.ContinuousBatchingKVCache else [[0], [1]]
+    name = cls.__name__
+    for bad in ([1.0, 2.0], [True, False], ["1", "2"], [1, None]):
+        with pytest.raises(TypeError, match=rf"{name}\.cache_lengths must have an integer"):
+            cls(blocks, bad, table)
+    bad_table = [0.0, 1.0] if cls is numattn.ContinuousBatchingKVCache else [[0.0], [1.0]]
+    with pytest.raises(TypeError, match=rf"{name}\.lookup_table must have an integer dtype"):
+        cls(blocks, [1, 2], bad_table)
+    if cls is numattn.PagedKVCache:
+        with pytest.raises(ValueError, match="rectangular sequence"):
+            cls(blocks, [1, 2], [[0], [1, 0]])
+    with pytest.raises(ValueError, match=">= 0"):
+        cls(blocks, (1, -2), table)
+    with pytest.raises(TypeError, match=rf"{name}\.blocks must be a NumPy or CUDA.*in place"):
+        cls(blocks.tolist(), [1, 2], table)

@@ -29,6 +29,14 @@ def test_merge_states_matches_reference(dtype, rng):
     assert np.array_equal(stacked[0], out)
 
 
+def test_nan_in_a_part_whose_weight_underflows_propagates():
+    """A part far below the others weighs exactly 0 but is not empty: its NaN still counts."""
+    outs = [np.ones((1, 2)), np.array([[np.nan, 1.0]])]
+    lses = [np.zeros(1), np.full(1, -1e5)]
+    out, lse = numattn.merge_states(outs, lses)
+    assert np.isnan(out[0, 0]) and out[0, 1] == 1 and lse[0] == 0
+
+
 def test_merge_states_errors():
     o = np.zeros((2, 3), np.float32)
     x = np.zeros(2, np.float32)

@@ -82,6 +82,20 @@ def test_nan_in_unused_and_hidden_slots_never_reaches_output(rng):
     assert np.isfinite(out[:2]).all()
 
 
+def test_additive_minus_inf_hides_nan_keys(rng):
+    """A -inf entry hides the key even when its score is NaN (NaN + -inf would be NaN)."""
+    q = rng.standard_normal((1, 3, 2, 4))
+    k = rng.standard_normal((1, 5, 1, 4))
+    v = rng.standard_normal((1, 5, 1, 4))
+    bias = rng.standard_normal((3, 5))
+    bias[:, 1] = -np.inf
+    want = reference.flash_attention_kv_cache(q, np.delete(k, 1, axis=1),
+                                              np.delete(v, 1, axis=1), np.delete(bias, 1, axis=1))
+    k[0, 1] = np.nan
+    v[0, 1] = np.inf
+    assert_close(reference.flash_attention_kv_cache(q, k, v, bias), want, np.float64)
+
+
 def test_merge_of_split_keys_is_the_whole(rng):
     q = rng.standard_normal((2, 4, 4))
     kv = rng.standard_normal((2, 10, 2, 4))
