@@ -54,7 +54,6 @@ TILE_NONE = 0  # nothing hidden
 TILE_PARTIAL = 1  # some pairs hidden, some visible
 TILE_FULL = 2  # every pair hidden
 
-MAX_PROGRAM_DEPTH = 60  # the evaluation stacks are the bits of one int64
 
 
 # --------------------------------------------------------------------------------------
@@ -399,7 +398,7 @@ class AndMask(Mask):
         return self.left.visible(q_idx, k_idx) & self.right.visible(q_idx, k_idx)
 
     def _program(self):
-        return self.left._program() + self.right._program() + [(OP_AND, 0)]
+        return _binary_program(self.left, self.right, OP_AND)
 
 
 @dataclass(frozen=True, eq=False)
@@ -426,7 +425,7 @@ class OrMask(Mask):
         return self.left.visible(q_idx, k_idx) | self.right.visible(q_idx, k_idx)
 
     def _program(self):
-        return self.left._program() + self.right._program() + [(OP_OR, 0)]
+        return _binary_program(self.left, self.right, OP_OR)
 
 
 def _materialized_leaves(mask, under_or=False):
@@ -444,11 +443,26 @@ def _materialized_leaves(mask, under_or=False):
 
 
 def _program_depth(program):
+    """The most operands a postfix program keeps on the evaluation stack at once."""
     depth = best = 0
     for op, _ in program:
         depth = depth - 1 if op in (OP_AND, OP_OR) else depth + 1
         best = max(best, depth)
     return best
+
+
+def _binary_program(left, right, op):
+    """Postfix program of ``left op right``, the operand that needs the deeper stack first.
+
+    ``&`` and ``|`` commute, so this order is free, and it keeps the evaluation stacks
+    (the bits of one int64 in :func:`mask_visible` and :func:`mask_tile_status`) at most
+    ``log2(leaves) + 1`` deep however the expression is nested; a right-nested chain would
+    otherwise keep one operand per level and overflow past 60 levels.
+    """
+    first, second = left._program(), right._program()
+    if _program_depth(second) > _program_depth(first):
+        first, second = second, first
+    return first + second + [(op, 0)]
 
 
 def as_mask(mask, name="mask"):
@@ -487,10 +501,7 @@ def compile_mask(mask, name="mask"):
     leaves = _materialized_leaves(mask)
     if len(leaves) > 1:
         raise ValueError(f"{name} may hold at most one MaterializedMask, found {len(leaves)}")
-    program = mask._program()
-    if _program_depth(program) > MAX_PROGRAM_DEPTH:
-        raise ValueError(f"{name} is nested too deeply (more than {MAX_PROGRAM_DEPTH} levels)")
-    program = np.asarray(program, dtype=np.int64).reshape(-1, 2)
+    program = np.asarray(mask._program(), dtype=np.int64).reshape(-1, 2)
     return program, (leaves[0].tensor if leaves else None)
 
 

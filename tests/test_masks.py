@@ -172,13 +172,24 @@ def test_materialized_mask_rules():
         M.CausalMask() & 3
 
 
-def test_deep_nesting_is_rejected():
-    mask = M.CausalMask()
-    for _ in range(M.MAX_PROGRAM_DEPTH + 1):
-        mask = M.NullMask() & mask
-    # right-nested: every level keeps one operand on the stack
-    with pytest.raises(ValueError, match="nested too deeply"):
-        M.compile_mask(mask)
+@pytest.mark.parametrize("nesting", ["left", "right"])
+def test_long_chains_evaluate_however_nested(nesting, rng):
+    """200 leaves chained to the left or to the right: the compiled bodies keep their bit
+    stacks in one int64, and the program's operand order keeps them shallow either way."""
+    leaves = [M.SlidingWindowCausalMask(int(w)) for w in rng.integers(1, 30, 100)]
+    leaves += [M.ChunkedMask(int(c)) for c in rng.integers(1, 30, 100)]
+    mask = leaves[0]
+    for leaf in leaves[1:]:
+        mask = (mask | leaf) if nesting == "left" else (leaf | mask)
+    mask = mask & M.CausalMask()
+    program, _ = M.compile_mask(mask)
+    assert M._program_depth(program.tolist()) <= 9  # log2(201) + 1
+    kernel = cpu_jit(_grid_kernel)
+    vis = np.zeros((40, 40), dtype=np.bool_)
+    status = np.zeros(1, dtype=np.int64)
+    kernel(program, 0, 0, vis, status)
+    assert np.array_equal(vis, mask.visible(np.arange(40)[:, None], np.arange(40)[None, :]))
+    assert status[0] == M.TILE_PARTIAL
 
 
 def test_additive_4d_shapes_and_errors():
