@@ -21,9 +21,10 @@ def _demo(args) -> int:
                       check=not args.no_check, progress=progress)
     print(f"prompts: {len(result.prompt_lengths)} sequences of {result.prompt_lengths} tokens, "
           "prefilled into a paged KV cache with flash_attention_kv_cache")
-    print(f"prefill: {result.prefill_seconds * 1e3:.1f} ms (first call includes compilation)")
+    print(f"prefill: {result.prefill_seconds * 1e3:.1f} ms (a first call in a process compiles "
+          "the kernels or loads them from the disk cache)")
     print(f"decode:  {result.generated.shape[1]} tokens per sequence with decode_attention, "
-          f"{result.tokens_per_second:.1f} tokens/s (steps after the first, which compiles)")
+          f"{result.tokens_per_second:.1f} tokens/s (steps after the first)")
     for b, ids in enumerate(result.generated):
         print(f"  sequence {b}: {' '.join(str(int(t)) for t in ids[:16])}"
               f"{' ...' if ids.size > 16 else ''}")
@@ -48,6 +49,21 @@ def _bench(args) -> int:
     return main(args)
 
 
+def _at_least(minimum):
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="numattn",
@@ -64,14 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small shapes, under a minute")
     bench.add_argument("--only", action="append", default=None,
                        help="run only cases whose name contains this (repeatable)")
-    bench.add_argument("--repeat", type=int, default=None, help="timed runs per case")
+    bench.add_argument("--repeat", type=_at_least(1), default=None, help="timed runs per case")
     bench.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw the figures (needs matplotlib)")
     bench.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="prefill + generate with a toy GPT and a paged KV cache")
-    demo.add_argument("--batch", type=int, default=4)
-    demo.add_argument("--new-tokens", type=int, default=32)
+    demo.add_argument("--batch", type=_at_least(1), default=4)
+    demo.add_argument("--new-tokens", type=_at_least(2), default=32,
+                      help="tokens to generate per sequence (the rate counts steps after the "
+                           "first)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-check", action="store_true", help="skip the reference comparison")
     demo.set_defaults(func=_demo)

@@ -15,6 +15,8 @@ Environment
 NUMATTN_CACHE
     ``0`` switches off Numba's on-disk cache of compiled CPU kernels (on by default so that
     first calls in a new process are short).  ``NUMBA_CACHE_DIR`` chooses where it lives.
+    Where Numba finds no writable place for it (a read-only install and home directory),
+    the kernels compile uncached, with one ``RuntimeWarning`` saying so.
 GOMP_SPINCOUNT
     Unless the user set it (or ``OMP_WAIT_POLICY``), ``import numattn`` sets it to ``1000``,
     so that it is in place when Numba's OpenMP thread pool starts.  By default that pool's
@@ -33,6 +35,7 @@ from __future__ import annotations
 import functools
 import os
 import types
+import warnings
 
 #: Kernels write ``for i in prange(n)``; it runs as ``range`` in plain Python and is bound
 #: to ``numba.prange`` when a body is compiled for the CPU (numba is imported lazily, so
@@ -114,7 +117,29 @@ def _cpu_jit(func, parallel):
         # argument types only, not by ``parallel``: without a name of its own, a serial
         # binding cached first would be loaded for the parallel one in later processes.
         clone.__qualname__ += "_serial"
-    return numba.njit(parallel=parallel, **CPU_OPTS)(clone)
+    try:
+        return numba.njit(parallel=parallel, **CPU_OPTS)(clone)
+    except RuntimeError as exc:  # Numba found no writable directory for the cache
+        if not CPU_OPTS["cache"] or "cannot cache" not in str(exc):
+            raise
+        _warn_uncached(exc)
+        return numba.njit(parallel=parallel, **{**CPU_OPTS, "cache": False})(clone)
+
+
+_UNCACHED_WARNED = []
+
+
+def _warn_uncached(exc):
+    if not _UNCACHED_WARNED:
+        _UNCACHED_WARNED.append(True)
+        warnings.warn(
+            f"numattn: compiled kernels cannot be cached on disk here ({exc}); every new "
+            f"process compiles them again (seconds at its first call).  Set NUMBA_CACHE_DIR "
+            f"to a writable directory, or NUMATTN_CACHE=0 to compile uncached without this "
+            f"warning.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def cpu_jit(func=None, *, parallel=False):

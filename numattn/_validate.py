@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._cuda import is_device_array
+
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -22,6 +24,9 @@ def dtype_of(x):
     try:
         return np.dtype(x.dtype)
     except TypeError as exc:
+        interface = getattr(x, "__cuda_array_interface__", None)  # e.g. a torch CUDA tensor
+        if interface is not None:
+            return np.dtype(interface["typestr"])
         raise TypeError(f"cannot interpret dtype {x.dtype!r} as a NumPy dtype") from exc
 
 
@@ -29,6 +34,10 @@ def check_array(name, x, *, ndim=None, dtype=None):
     """Check that ``x`` is an array (host or device) of the given ndim (int or tuple)."""
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if not isinstance(x, np.ndarray) and not is_device_array(x):
+        kind = f"{type(x).__module__}.{type(x).__name__}"
+        hint = " (pass tensor.numpy())" if kind.startswith("torch.") else ""
+        raise TypeError(f"{name} must be a NumPy array or a CUDA device array, got {kind}{hint}")
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if len(x.shape) not in allowed:

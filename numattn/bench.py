@@ -346,7 +346,17 @@ def run_bench(*, quick=False, only=None, repeat=None, progress=None):
         ``gemm_gflops``, ``read_gbs`` (before the cases; each GB/s case also measures the
         read bandwidth in its own rounds, its ``limit``), ``cores`` and the torch version.
     results : list of BenchResult
+
+    Raises
+    ------
+    ValueError
+        If ``only`` matches no case (before anything is measured).
     """
+    all_cases = _cases(quick)
+    cases = [(n, b) for n, b in all_cases if not only or any(o in n for o in only)]
+    if not cases:
+        names = ", ".join(repr(n) for n, _ in all_cases)
+        raise ValueError(f"no benchmark case matches --only {only}; the cases are {names}")
     torch = torch_or_none()
     repeat = repeat or (2 if quick else 5)
     limits = {
@@ -355,7 +365,6 @@ def run_bench(*, quick=False, only=None, repeat=None, progress=None):
         "cores": os.cpu_count(),
         "torch": None if torch is None else torch.__version__,
     }
-    cases = [(n, b) for n, b in _cases(quick) if not only or any(o in n for o in only)]
     read_all, read_bytes = read_all_fn(256 if quick else 1024)
     results = []
     for i, (name, build) in enumerate(cases):
@@ -409,8 +418,12 @@ def main(args) -> int:
             if done == total:
                 print(file=sys.stderr)
 
-    limits, results = run_bench(quick=args.quick, only=args.only, repeat=args.repeat,
-                                progress=progress)
+    try:
+        limits, results = run_bench(quick=args.quick, only=args.only, repeat=args.repeat,
+                                    progress=progress)
+    except ValueError as exc:
+        print(f"numattn bench: error: {exc}", file=sys.stderr)
+        return 2
     print(f"machine: {limits['cores']} cores, float32 GEMM {limits['gemm_gflops']:.0f} GFLOP/s, "
           f"read bandwidth {limits['read_gbs']:.1f} GB/s, torch {limits['torch'] or 'absent'}")
     header = (f"{'case':<34} {'median ms':>10} {'rate':>14} {'of limit':>9} {'limit':>7} "

@@ -184,7 +184,7 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
     program, tensor = compile_mask(mask)
     max_keys = int(layout.num_keys.max()) if batch else 0
     additive = additive_4d(tensor, batch=batch, num_heads=num_heads, max_q_len=1,
-                           max_keys=max_keys, dtype=dtype)
+                           max_keys=max_keys, dtype=dtype, exact_rows=True)
     device = resolve_device(
         device, [q, layout.k_blocks, layout.v_blocks, tensor, out, sink_weights]
     )

@@ -54,7 +54,7 @@ class DemoResult:
         """Generated tokens per second over the decode steps after the first (compiling) one."""
         steady = self.step_seconds[1:] or self.step_seconds
         total = self.generated.shape[0] * len(steady)
-        return total / sum(steady) if sum(steady) > 0 else float("inf")
+        return total / sum(steady) if sum(steady) > 0 else float("nan")  # nan: no steps
 
 
 def _rms_norm(x):
@@ -143,6 +143,10 @@ def run_demo(*, batch=4, new_tokens=32, seed=0, model=None, check=True, progress
     ((2, 2), True)
     """
     from . import decode_attention, flash_attention_kv_cache
+
+    if batch < 1 or new_tokens < 0:
+        raise ValueError(f"run_demo needs batch >= 1 and new_tokens >= 0, got {batch} and "
+                         f"{new_tokens}")
 
     m = model or DemoModel()
     rng = np.random.default_rng(seed)

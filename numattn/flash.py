@@ -92,7 +92,8 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     mask : Mask, ndarray or None
         A mask object (``None`` means :class:`~numattn.NullMask`) or an additive tensor
         ``[S, N]``, ``[B, S, N]`` or ``[B, H, S, N]`` indexed by local query row and key
-        position (for ragged input, padded to the largest ``q_len`` and ``num_keys``).
+        position: ``S`` is q's ``S`` for padded input (for ragged input, at least the largest
+        ``q_len``), and ``N`` at least the largest ``num_keys``.
     scale : float, optional
         Score scale; ``None`` means ``1 / sqrt(D)``.
     q_input_row_offsets : int array [B + 1], optional
@@ -198,7 +199,8 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         raise TypeError(f"the additive mask must be a NumPy array, got {type(additive).__name__}")
     max_keys = int(layout.num_keys.max()) if batch else 0
     additive4 = additive_4d(additive, batch=batch, num_heads=num_heads, max_q_len=s_len,
-                            max_keys=max_keys, dtype=dtype)
+                            max_keys=max_keys, dtype=dtype,
+                            exact_rows=q_input_row_offsets is None)
     check_out(out, shape_of(q), dtype)
     if out is not None and not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")

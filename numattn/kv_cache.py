@@ -103,7 +103,9 @@ class ContinuousBatchingKVCache(_CacheBase):
     ----------
     blocks : ndarray, shape [num_blocks, max_seq_len, Hkv, D]
         Key (or value) storage, float32 or float64 (a NumPy or CUDA device array, never
-        copied: :func:`store_kv` writes into it).
+        copied: :func:`store_kv` writes into it).  Keep it C-contiguous: the
+        attention calls copy a strided view (say the K half of a fused K/V pool) whole on
+        every call.
     cache_lengths : int array or sequence of ints, shape [B]
         Tokens cached for each sequence *before* this step.  A list or tuple is stored as
         an int64 array; an array is kept as given.
@@ -146,7 +148,9 @@ class PagedKVCache(_CacheBase):
     ----------
     blocks : ndarray, shape [num_pages, page_size, Hkv, D]
         Key (or value) pages, float32 or float64 (a NumPy or CUDA device array, never
-        copied: :func:`store_kv` writes into it).
+        copied: :func:`store_kv` writes into it).  Keep it C-contiguous: the
+        attention calls copy a strided view (say the K half of a fused K/V pool) whole on
+        every call.
     cache_lengths : int array or sequence of ints, shape [B]
         Tokens cached for each sequence *before* this step.  A list or tuple is stored as
         an int64 array; an array is kept as given.

@@ -505,13 +505,17 @@ def compile_mask(mask, name="mask"):
     return program, (leaves[0].tensor if leaves else None)
 
 
-def additive_4d(tensor, *, batch, num_heads, max_q_len, max_keys, dtype, name="mask"):
+def additive_4d(tensor, *, batch, num_heads, max_q_len, max_keys, dtype, name="mask",
+                exact_rows=False):
     """Validate an additive mask tensor and view it as ``[Bm, Hm, Sm, Nm]`` for the kernels.
 
     ``[S, N]`` becomes ``[1, 1, S, N]`` and ``[B, S, N]`` becomes ``[B, 1, S, N]``; kernels
     read ``t[b if Bm > 1 else 0, h if Hm > 1 else 0, r, k_idx]``.  ``None`` gives a
     ``[1, 1, 1, 1]`` placeholder (and the caller passes ``has_additive=False``).  The tensor
-    must cover every local query row (``max_q_len``) and key position (``max_keys``).
+    must cover every local query row (``max_q_len``) and key position (``max_keys``);
+    with ``exact_rows`` (padded queries, decode) it must have exactly ``max_q_len``
+    rows, so that a tensor laid out otherwise (one row per sequence or per token) is not
+    read as rows it is not.
     """
     if tensor is None:
         return np.zeros((1, 1, 1, 1), dtype=dtype)
@@ -543,6 +547,12 @@ def additive_4d(tensor, *, batch, num_heads, max_q_len, max_keys, dtype, name="m
             f"{list(shape)}"
         )
     s_dim, n_dim = shape_of(tensor)[2:]
+    if exact_rows and s_dim != max_q_len:
+        hint = " (one row per sequence is [B, 1, N])" if max_q_len == 1 else ""
+        raise ValueError(
+            f"{name}: the additive mask must have S = {max_q_len} query rows, got shape "
+            f"{list(shape)}{hint}"
+        )
     if s_dim < max_q_len or n_dim < max_keys:
         raise ValueError(
             f"{name}: the additive mask must cover S >= {max_q_len} query rows and N >= "

@@ -61,34 +61,35 @@ def _attend(q, keys, values, q_pos, rows, b, mask, scale, sink_weights):
     k_idx = np.arange(n)
     visible = mask.visible(q_pos[:, None], k_idx[None, :]) if n else np.zeros((s_len, 0), bool)
     additive = _additive_tensor(mask)
-    for head in range(h):
-        kv = head // group
-        with np.errstate(invalid="ignore", over="ignore"):  # inf in hidden slots is allowed
+    # NaN and inf may sit in hidden slots (and in visible ones): no warnings for them
+    with np.errstate(invalid="ignore", over="ignore"):
+        for head in range(h):
+            kv = head // group
             scores = scale * (q[:, head, :] @ keys[:, kv, :].T)  # [S, N]
-        seen = visible
-        if additive is not None and n:
-            t = np.asarray(additive, dtype=np.float64)
-            if t.ndim == 2:
-                bias = t[rows][:, :n]
-            elif t.ndim == 3:
-                bias = t[b][rows][:, :n]
-            else:
-                bias = t[b, head][rows][:, :n]
-            scores = scores + bias
-            seen = visible & (bias != -np.inf)  # -inf hides the key, whatever its score
-        for i in range(s_len):
-            sel = seen[i]
-            s = scores[i, sel]
-            sink = None if sink_weights is None else float(sink_weights[head])
-            if s.size == 0 and sink is None:
-                continue
-            m = max(s.max() if s.size else -np.inf, -np.inf if sink is None else sink)
-            if m == -np.inf:
-                continue  # nothing visible and a -inf sink: 0 and -inf
-            p = np.exp(s - m)
-            denom = p.sum() + (0.0 if sink is None else np.exp(sink - m))
-            out[i, head] = (p @ values[sel, kv, :]) / denom
-            lse[i, head] = m + np.log(denom)
+            seen = visible
+            if additive is not None and n:
+                t = np.asarray(additive, dtype=np.float64)
+                if t.ndim == 2:
+                    bias = t[rows][:, :n]
+                elif t.ndim == 3:
+                    bias = t[b][rows][:, :n]
+                else:
+                    bias = t[b, head][rows][:, :n]
+                scores = scores + bias
+                seen = visible & (bias != -np.inf)  # -inf hides the key, whatever its score
+            for i in range(s_len):
+                sel = seen[i]
+                s = scores[i, sel]
+                sink = None if sink_weights is None else float(sink_weights[head])
+                if s.size == 0 and sink is None:
+                    continue
+                m = max(s.max() if s.size else -np.inf, -np.inf if sink is None else sink)
+                if m == -np.inf:
+                    continue  # nothing visible and a -inf sink: 0 and -inf
+                p = np.exp(s - m)
+                denom = p.sum() + (0.0 if sink is None else np.exp(sink - m))
+                out[i, head] = (p @ values[sel, kv, :]) / denom
+                lse[i, head] = m + np.log(denom)
     return out, lse
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import numattn
 from numattn import MHAConfig
 from numattn import _validate as V
 from numattn._cuda import CudaUnavailableError, is_device_array, resolve_device
@@ -78,6 +79,25 @@ def test_scale_sinks_heads_out():
         V.check_array("q", [1, 2])
     with pytest.raises(ValueError, match="q must be 3-d or 4-d"):
         V.check_array("q", np.zeros(2), ndim=(3, 4))
+
+
+class _ForeignTensor:
+    """Looks like an array (shape, dtype) but is neither NumPy nor a CUDA device array."""
+
+    shape = (2, 4, 8)
+    dtype = "float32"
+
+
+def test_foreign_array_types_are_named():
+    k = np.zeros((2, 5, 2, 8), np.float32)
+    for call in (lambda: numattn.decode_attention(_ForeignTensor(), k, k),
+                 lambda: numattn.cross_attention(_ForeignTensor(), [0, 1, 2], 1, k[0], k[0],
+                                                 [0, 2, 5])):
+        with pytest.raises(TypeError, match="q must be a NumPy array or a CUDA device array"):
+            call()
+    q = np.zeros((2, 4, 8), np.float32)
+    with pytest.raises(TypeError, match="sink_weights must be a NumPy array"):
+        numattn.decode_attention(q, k, k, sink_weights=_ForeignTensor())
 
 
 class _FakeDeviceArray:

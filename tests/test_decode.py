@@ -263,6 +263,17 @@ def test_additive_mask_shapes(kind, rng):
         assert_close(out, ref, np.float32)
 
 
+def test_additive_mask_must_have_one_query_row(rng):
+    """A [B, N] tensor would read as [S=B, N] (row 0 for every sequence): it is rejected."""
+    k, v = make_kv(rng, "paged", [3, 10], [1, 1], 2, 8, np.float32, page_size=4)
+    q = randn(rng, (2, 4, 8), np.float32)
+    out = np.zeros_like(q)
+    for shape in [(2, 11), (2, 2, 11), (2, 4, 3, 11)]:
+        with pytest.raises(ValueError, match="S = 1 query rows"):
+            decode_attention(q, k, v, randn(rng, shape, np.float32), out=out)
+    assert not out.any()
+
+
 def test_out_and_repeatability(rng):
     k, v = make_kv(rng, "paged", [100, 37, 64], [1, 1, 1], 2, 32, np.float32, page_size=16)
     q = randn(rng, (3, 8, 32), np.float32)

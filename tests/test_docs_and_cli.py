@@ -117,6 +117,26 @@ def test_cli_usage_errors():
     assert "invalid choice" in result.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["demo", "--batch", "0"], "--batch: must be at least 1, got 0"),
+    (["demo", "--new-tokens", "1"], "--new-tokens: must be at least 2, got 1"),
+    (["demo", "--batch", "two"], "'two' is not an integer"),
+    (["bench", "--repeat", "0"], "--repeat: must be at least 1"),
+    (["bench", "--quick", "--only", "no such case"], "no benchmark case matches"),
+])
+def test_cli_bad_arguments_are_usage_errors(args, message):
+    result = _cli(*args)
+    assert result.returncode == 2 and message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_run_demo_rejects_an_empty_batch():
+    from numattn.demo import run_demo
+
+    with pytest.raises(ValueError, match="batch >= 1"):
+        run_demo(batch=0)
+
+
 @pytest.mark.parametrize("flag", ["--help"])
 def test_cli_help(flag):
     result = _cli(flag)

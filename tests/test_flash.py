@@ -108,6 +108,13 @@ def test_additive_mask_shapes_padded(rng, shape):
     _check(rng, q, k, v, _additive(rng, dims, dtype), dtype)
 
 
+def test_padded_additive_mask_must_have_q_rows(rng):
+    q = randn(rng, (2, 3, 2, 4), np.float32)
+    kv = randn(rng, (2, 5, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="S = 3 query rows"):
+        flash_attention_kv_cache(q, kv, kv, randn(rng, (2, 4, 5), np.float32))
+
+
 def test_ragged_kv_arrays_with_own_offsets(rng):
     dtype = np.float64
     q_lens, kv_lens = [2, 0, 5, 3], [7, 3, 5, 0]

@@ -103,6 +103,24 @@ def test_cpu_binding_is_cached_and_prange_is_bound():
     assert _jit.prange is range
 
 
+def _add_one(x):
+    return x + 1
+
+
+def test_kernels_compile_uncached_with_a_warning_where_nothing_is_writable(monkeypatch):
+    """Numba raises "cannot cache function" when it finds no writable cache directory (a
+    read-only install and home); numattn then compiles without the disk cache, and says so
+    once."""
+    from numba.core import caching
+
+    monkeypatch.setattr(caching.CacheImpl, "_locator_classes", [])  # no writable place
+    monkeypatch.setitem(_jit.CPU_OPTS, "cache", True)
+    monkeypatch.setattr(_jit, "_UNCACHED_WARNED", [])
+    with pytest.warns(RuntimeWarning, match="cannot be cached on disk"):
+        f = _jit._cpu_jit.__wrapped__(_add_one, False)
+    assert f(41) == 42 and not f._cache_hits and f._cache.__class__.__name__ == "NullCache"
+
+
 def test_trivial_cuda_kernel_with_shared_body_compiles_to_ptx(ptx_compiler):
     from numba import types
 
