@@ -103,9 +103,9 @@ class ContinuousBatchingKVCache(_CacheBase):
     ----------
     blocks : ndarray, shape [num_blocks, max_seq_len, Hkv, D]
         Key (or value) storage, float32 or float64 (a NumPy or CUDA device array, never
-        copied: :func:`store_kv` writes into it).  Keep it C-contiguous: the
-        attention calls copy a strided view (say the K half of a fused K/V pool) whole on
-        every call.
+        copied: :func:`store_kv` writes into it).  A view whose pages are
+        evenly strided, such as the K half of a fused ``[pages, 2, page_size, Hkv, D]``
+        pool, is read in place; other non-contiguous layouts are copied on every call.
     cache_lengths : int array or sequence of ints, shape [B]
         Tokens cached for each sequence *before* this step.  A list or tuple is stored as
         an int64 array; an array is kept as given.
@@ -148,9 +148,9 @@ class PagedKVCache(_CacheBase):
     ----------
     blocks : ndarray, shape [num_pages, page_size, Hkv, D]
         Key (or value) pages, float32 or float64 (a NumPy or CUDA device array, never
-        copied: :func:`store_kv` writes into it).  Keep it C-contiguous: the
-        attention calls copy a strided view (say the K half of a fused K/V pool) whole on
-        every call.
+        copied: :func:`store_kv` writes into it).  A view whose pages are
+        evenly strided, such as the K half of a fused ``[pages, 2, page_size, Hkv, D]``
+        pool, is read in place; other non-contiguous layouts are copied on every call.
     cache_lengths : int array or sequence of ints, shape [B]
         Tokens cached for each sequence *before* this step.  A list or tuple is stored as
         an int64 array; an array is kept as given.
@@ -215,6 +215,40 @@ def _contiguous(x):
     return x
 
 
+def _page_view(blocks):
+    """``(pages, step)``: a C-contiguous array whose page ``p * step`` is page ``p`` of the
+    4-d ``blocks``, sharing its memory when only the page stride is uneven, as in the K or
+    V half of a fused pool (FlashInfer's ``[pages, 2, page_size, Hkv, D]``); otherwise
+    ``(a contiguous copy, 1)``.  Device arrays are returned as they are.
+
+    The view spans exactly the bytes from the first page of ``blocks`` to the end of its
+    last one, all inside the array ``blocks`` is a view of, and is read-only.
+    """
+    if not isinstance(blocks, np.ndarray) or blocks.flags.c_contiguous:
+        return blocks, 1
+    num_pages, page_size, heads, dim = blocks.shape
+    page_bytes = page_size * heads * dim * blocks.itemsize
+    stride = blocks.strides[0]
+    if num_pages and page_bytes and stride > 0 and stride % page_bytes == 0 \
+            and blocks[:1].flags.c_contiguous:
+        step = stride // page_bytes
+        view = np.lib.stride_tricks.as_strided(
+            blocks, shape=((num_pages - 1) * step + 1, page_size, heads, dim),
+            strides=(page_bytes, *blocks.strides[1:]), writeable=False)
+        return view, step
+    return np.ascontiguousarray(blocks), 1
+
+
+def _paged_views(k_blocks, v_blocks):
+    """K and V pages for the kernels and the page step they share (see :func:`_page_view`);
+    K and V with different page strides are both copied (step 1)."""
+    k_pages, k_step = _page_view(k_blocks)
+    v_pages, v_step = _page_view(v_blocks)
+    if k_step != v_step:
+        return _contiguous(k_blocks), _contiguous(v_blocks), 1
+    return k_pages, v_pages, k_step
+
+
 def _check_pair(k, v):
     if type(k) is not type(v):
         raise TypeError(
@@ -254,17 +288,18 @@ def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
     for name, x in (("k", k), ("v", v)):
         if dtype_of(x) != dtype:
             raise TypeError(f"{name} must have the queries' dtype {dtype}, got {dtype_of(x)}")
-    k = _contiguous(k)
-    v = _contiguous(v)
     if len(k.shape) == 4:
         b, n, hkv, d = shape_of(k)
         if b != batch:
             raise ValueError(f"k must have shape [B={batch}, N, Hkv, D], got {list(shape_of(k))}")
-        table = np.arange(batch, dtype=np.int64).reshape(batch, 1)
+        k, v, step = _paged_views(k, v)
+        table = (np.arange(batch, dtype=np.int64) * step).reshape(batch, 1)
         return KVLayout(
             k, v, max(n, 1), table, np.zeros(batch, np.int64), np.zeros(batch, np.int64),
             np.full(batch, n, np.int64), hkv, d,
         )
+    k = _contiguous(k)
+    v = _contiguous(v)
     t, hkv, d = shape_of(k)
     if kv_offsets is None:
         raise ValueError("ragged k and v of shape [T, Hkv, D] need row offsets")
@@ -326,7 +361,7 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
                 f"lookup_table[{b}] = {table[b]} is out of range [0, {pages}) for a sequence "
                 "with tokens"
             )
-        table = table.reshape(batch, 1)
+        table = np.where(used, table, 0).reshape(batch, 1)
     else:
         max_pages = table.shape[1]
         needed = np.arange(max_pages)[None, :] * page_size < num_keys[:, None]
@@ -339,9 +374,10 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
             )
         # Spare entries may hold any sentinel; give the kernels a safe value there.
         table = np.where(needed, table, 0)
+    k_pages, v_pages, step = _paged_views(k.blocks, v.blocks)
     return KVLayout(
-        _contiguous(k.blocks), _contiguous(v.blocks), max(page_size, 1),
-        np.ascontiguousarray(table), np.zeros(batch, np.int64), lengths, num_keys, hkv, d,
+        k_pages, v_pages, max(page_size, 1), np.ascontiguousarray(table * step),
+        np.zeros(batch, np.int64), lengths, num_keys, hkv, d,
     )
 
 

@@ -284,3 +284,58 @@ def test_cache_sequences_must_hold_integers_and_blocks_an_array(cls):
         cls(blocks, (1, -2), table)
     with pytest.raises(TypeError, match=rf"{name}\.blocks must be a NumPy or CUDA.*in place"):
         cls(blocks.tolist(), [1, 2], table)
+
+
+@pytest.mark.parametrize("kind", ["paged", "continuous", "dense"])
+def test_fused_pools_are_read_in_place(kind, rng):
+    """K and V as slices of one fused pool (FlashInfer's [pages, 2, page_size, Hkv, D]
+    layout, here with a third slot of NaN between them): read without a copy, and every
+    operation gives what it gives on contiguous copies."""
+    dtype = np.float64
+    pool = rng.standard_normal((6, 3, 4, 2, 8))
+    pool[:, 1] = np.nan  # never read
+    k_blocks, v_blocks = pool[:, 0], pool[:, 2]
+    lengths = np.array([5, 9])
+    q = rng.standard_normal((2, 4, 8))
+    if kind == "paged":
+        table = np.array([[4, 1, 99], [0, 5, 2]])  # 99: a spare entry
+        fused = [numattn.PagedKVCache(x, lengths, table) for x in (k_blocks, v_blocks)]
+        plain = [numattn.PagedKVCache(x.copy(), lengths, table) for x in (k_blocks, v_blocks)]
+    elif kind == "continuous":
+        pool = rng.standard_normal((3, 3, 12, 2, 8))
+        pool[:, 1] = np.nan
+        k_blocks, v_blocks = pool[:, 0], pool[:, 2]
+        table = np.array([2, 0])
+        fused = [numattn.ContinuousBatchingKVCache(x, lengths, table)
+                 for x in (k_blocks, v_blocks)]
+        plain = [numattn.ContinuousBatchingKVCache(x.copy(), lengths, table)
+                 for x in (k_blocks, v_blocks)]
+    else:
+        pool = rng.standard_normal((2, 3, 7, 2, 8))
+        pool[:, 1] = np.nan
+        fused = [pool[:, 0], pool[:, 2]]
+        plain = [x.copy() for x in fused]
+    layout = resolve_kv(*fused, batch=2, dtype=dtype, kv_lens=None if kind == "dense"
+                        else np.ones(2, np.int64))
+    assert np.shares_memory(layout.k_blocks, pool) and np.shares_memory(layout.v_blocks, pool)
+    assert layout.k_blocks.flags.c_contiguous and not layout.k_blocks.flags.writeable
+    out = numattn.decode_attention(q, *fused, numattn.CausalMask(), num_partitions=2)
+    want = numattn.decode_attention(q, *plain, numattn.CausalMask(), num_partitions=2)
+    assert np.isfinite(out).all() and np.array_equal(out, want)
+    q4 = rng.standard_normal((2, 1, 4, 8))
+    out = numattn.flash_attention_kv_cache(q4, *fused, numattn.CausalMask())
+    want = numattn.flash_attention_kv_cache(q4, *plain, numattn.CausalMask())
+    assert np.isfinite(out).all() and np.array_equal(out, want)
+
+
+def test_k_and_v_with_different_page_strides_are_copied(rng):
+    pool = rng.standard_normal((4, 2, 3, 1, 4))
+    k_blocks, v_blocks = pool[:, 0], rng.standard_normal((4, 3, 1, 4))
+    lengths, table = np.array([5]), np.array([[2, 0]])
+    k = numattn.PagedKVCache(k_blocks, lengths, table)
+    v = numattn.PagedKVCache(v_blocks, lengths, table)
+    layout = resolve_kv(k, v, batch=1, dtype=np.float64, kv_lens=np.ones(1, np.int64))
+    assert not np.shares_memory(layout.k_blocks, pool)
+    q = rng.standard_normal((1, 2, 4))
+    want = numattn.reference.decode_attention(q, k, v)
+    np.testing.assert_allclose(numattn.decode_attention(q, k, v), want, rtol=1e-12, atol=1e-12)
