@@ -124,6 +124,8 @@ def check_scale(scale, head_dim):
     """``None`` means ``1 / sqrt(D)``; otherwise a finite real number."""
     if scale is None:
         return 1.0 / float(np.sqrt(head_dim)) if head_dim > 0 else 1.0
+    if isinstance(scale, np.ndarray) and scale.ndim == 0 and scale.dtype.kind in "iuf":
+        scale = scale.item()  # a 0-d array holding a number
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
     scale = float(scale)
@@ -136,6 +138,8 @@ def check_sink_weights(sink_weights, num_heads, dtype):
     """``None`` or a ``[H]`` float array; returned as a contiguous host array of ``dtype``."""
     if sink_weights is None:
         return None
+    if isinstance(sink_weights, (list, tuple)):
+        sink_weights = np.asarray(sink_weights, dtype=np.float64)
     if hasattr(sink_weights, "__cuda_array_interface__") and not isinstance(
         sink_weights, np.ndarray
     ):

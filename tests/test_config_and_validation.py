@@ -58,8 +58,13 @@ def test_scale_sinks_heads_out():
         V.check_scale(np.inf, 4)
     with pytest.raises(TypeError, match="scale"):
         V.check_scale("1", 4)
-    s = V.check_sink_weights([1.0, 2.0] and np.array([1.0, 2.0]), 2, np.float32)
+    assert V.check_scale(np.array(0.5), 4) == 0.5  # a 0-d array
+    with pytest.raises(TypeError, match="scale"):
+        V.check_scale([0.5], 4)
+    s = V.check_sink_weights(np.array([1.0, 2.0]), 2, np.float32)
     assert s.dtype == np.float32
+    s = V.check_sink_weights([1.0, 2.5], 2, np.float64)  # a list of numbers, like offsets
+    assert s.dtype == np.float64 and s.tolist() == [1.0, 2.5]
     with pytest.raises(ValueError, match=r"sink_weights must have shape \[3\]"):
         V.check_sink_weights(np.ones(2), 3, np.float32)
     with pytest.raises(TypeError, match="float32 or float64"):
