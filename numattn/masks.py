@@ -55,7 +55,6 @@ TILE_PARTIAL = 1  # some pairs hidden, some visible
 TILE_FULL = 2  # every pair hidden
 
 
-
 # --------------------------------------------------------------------------------------
 # Kernel bodies (plain Python: compiled with njit for the CPU, cuda.jit for the GPU).
 # --------------------------------------------------------------------------------------
