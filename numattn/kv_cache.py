@@ -103,9 +103,9 @@ class ContinuousBatchingKVCache(_CacheBase):
     ----------
     blocks : ndarray, shape [num_blocks, max_seq_len, Hkv, D]
         Key (or value) storage, float32 or float64 (a NumPy or CUDA device array, never
-        copied: :func:`store_kv` writes into it).  A view whose pages are
-        evenly strided, such as the K half of a fused ``[pages, 2, page_size, Hkv, D]``
-        pool, is read in place; other non-contiguous layouts are copied on every call.
+        copied: :func:`store_kv` writes into it).  A view whose blocks are evenly strided,
+        such as the K half of a fused ``[num_blocks, 2, max_seq_len, Hkv, D]`` pool, is read
+        in place; other non-contiguous layouts are copied on every call.
     cache_lengths : int array or sequence of ints, shape [B]
         Tokens cached for each sequence *before* this step.  A list or tuple is stored as
         an int64 array; an array is kept as given.
@@ -148,9 +148,9 @@ class PagedKVCache(_CacheBase):
     ----------
     blocks : ndarray, shape [num_pages, page_size, Hkv, D]
         Key (or value) pages, float32 or float64 (a NumPy or CUDA device array, never
-        copied: :func:`store_kv` writes into it).  A view whose pages are
-        evenly strided, such as the K half of a fused ``[pages, 2, page_size, Hkv, D]``
-        pool, is read in place; other non-contiguous layouts are copied on every call.
+        copied: :func:`store_kv` writes into it).  A view whose pages are evenly strided,
+        such as the K half of a fused ``[pages, 2, page_size, Hkv, D]`` pool, is read in
+        place; other non-contiguous layouts are copied on every call.
     cache_lengths : int array or sequence of ints, shape [B]
         Tokens cached for each sequence *before* this step.  A list or tuple is stored as
         an int64 array; an array is kept as given.
