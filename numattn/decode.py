@@ -33,8 +33,18 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import _simd
 from ._cuda import is_device_array, require_cuda, resolve_device
 from ._jit import body, cpu_jit, cuda, cuda_kernel, prange
+from ._simd import (
+    prefetch_row,
+    scores_block_1,
+    scores_block_2,
+    scores_block_4,
+    values_block_1,
+    values_block_2,
+    values_block_4,
+)
 from ._softmax import exp_diff, finish_row, merge_weight
 from ._validate import (
     check_array,
@@ -80,8 +90,9 @@ MAX_AUTO_PARTITIONS = 64
 SERIAL_KV_BYTES = 2**20
 SERIAL_REDUCE_ELEMENTS = 2**18
 #: CPU: the kernel asks for the first PREFETCH_LINES cache lines of the K or V row it will
-#: read PREFETCH_KEYS keys later.  Each token's row is a page of its own (4 KiB here), where
-#: the hardware prefetcher starts cold; a few early lines hide that start (whole rows would
+#: read PREFETCH_KEYS block positions later (the next row of the same stream, see
+#: :func:`_tile_rows`).  Each token's row is a page of its own (4 KiB here), where the
+#: hardware prefetcher starts cold; a few early lines hide that start (whole rows would
 #: crowd the L1 cache and the miss buffers, and are slower).
 PREFETCH_KEYS = 4
 PREFETCH_LINES = 2
@@ -262,7 +273,7 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
     part_m = np.empty((batch, parts, num_heads), dtype)
     part_l = np.empty((batch, parts, num_heads), dtype)
     part_acc = np.empty((batch, parts, num_heads, head_dim), dtype)
-    _register_prefetch()
+    _simd.register()
     # Little work runs on the calling thread: waking the worker threads costs more.
     kv_bytes = 2 * int(layout.num_keys.sum()) * layout.num_kv_heads * head_dim * dtype.itemsize
     cpu_jit(_decode_partitions_cpu, parallel=kv_bytes > SERIAL_KV_BYTES)(
@@ -484,24 +495,16 @@ def _decode_partitions_cpu(q, k_blocks, v_blocks, page_size, lookup_table, row_b
         bits = np.empty(block_k, dtype=np.int64)
         pages = np.empty(block_k + PREFETCH_KEYS, dtype=np.int64)
         slots = np.empty(block_k + PREFETCH_KEYS, dtype=np.int64)
+        keys = np.empty(block_k, dtype=np.int64)
         for k0 in range(start, end, block_k):
             k1 = min(k0 + block_k, end)
             status = mask_tile_status(program, q_idx, q_idx, k0, k1 - 1)
             if status == TILE_FULL:
                 continue
             n = k1 - k0
-            # the tile's rows, and the first rows of the next tile (to prefetch)
-            ahead = min(n + PREFETCH_KEYS, end - k0)
-            page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0)
-            page_idx = (row_base[b] + k0) // page_size
-            for i in range(ahead):  # walk the slots page by page (no division per key)
-                pages[i] = page
-                slots[i] = slot
-                slot += 1
-                if slot == page_size and i + 1 < ahead:
-                    slot = 0
-                    page_idx += 1
-                    page = lookup_table[b, page_idx]
+            # the tile's rows in block order, and the first block of the next tile
+            ahead = n + _tile_rows(lookup_table, page_size, row_base, b, k0, n,
+                                   min(block_k, end - k1), pages, slots, keys)
             scores = s_buf[:num_heads * n].reshape(num_heads, n)
             hidden = h_buf[:num_heads * n].reshape(num_heads, n)  # filled for masked tiles
             # Hidden keys are scored too (their rows are in range) and then replaced by
@@ -510,9 +513,10 @@ def _decode_partitions_cpu(q, k_blocks, v_blocks, page_size, lookup_table, row_b
             all_visible = status == TILE_NONE and not has_additive
             if not all_visible:
                 for i in range(n):
-                    visible = status == TILE_NONE or mask_visible(program, q_idx, k0 + i)
+                    key = k0 + keys[i]
+                    visible = status == TILE_NONE or mask_visible(program, q_idx, key)
                     for h in range(num_heads):
-                        bias = key_bias(additive, b, h, k0 + i) if has_additive else 0.0
+                        bias = key_bias(additive, b, h, key) if has_additive else 0.0
                         hidden[h, i] = not visible or bias == -math.inf
                         if hidden[h, i]:
                             scores[h, i] = -math.inf
@@ -532,229 +536,132 @@ def _decode_partitions_cpu(q, k_blocks, v_blocks, page_size, lookup_table, row_b
 
 
 @body
-def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores):
-    """``scores[h, i] = qs[h] . K[i, h // group]`` for the ``n`` keys of a tile (CPU only).
+def _tile_rows(lookup_table, page_size, row_base, b, k0, n, next_n, pages, slots, keys):
+    """Block order of a tile of ``n`` keys from ``k0``: position ``r`` holds key
+    ``k0 + keys[r]``, whose row is ``(pages[r], slots[r])`` (CPU only).
 
-    Keys in fours, and per KV head four query heads at a time (one head at a time for the
-    rest of a group), so one sweep over D loads each K element once for sixteen dot
-    products.  The rows of keys :data:`PREFETCH_KEYS` ahead are asked for (then the
-    tile's first V rows).
+    The kernels take four positions (a block) at a time.  Block ``r`` holds keys ``r``,
+    ``r + n/4``, ``r + n/2`` and ``r + 3n/4``: four streams, each walking a quarter of the
+    tile row after row (adjacent keys are adjacent rows).  Four adjacent rows read
+    interleaved are read at about half the rate on this hardware, as each row is a page of
+    its own where the hardware prefetcher starts again.  The last ``n % 4`` keys keep their
+    order.  The order changes which keys share a block, not the result (softmax and the
+    weighted sum do not depend on the order of the keys).
+
+    The positions after ``n`` get the rows of the first block of the next tile (its first
+    ``next_n`` keys; the first lines of those are prefetched).  Returns how many.
+    """
+    quarter = n // 4
+    page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0)
+    page_idx = (row_base[b] + k0) // page_size
+    for i in range(n):  # walk the slots page by page (no division per key)
+        r = (i % quarter) * 4 + i // quarter if i < 4 * quarter else i
+        pages[r] = page
+        slots[r] = slot
+        keys[r] = i
+        slot += 1
+        if slot == page_size and i + 1 < n:
+            slot = 0
+            page_idx += 1
+            page = lookup_table[b, page_idx]
+    next_quarter = max(next_n // 4, 1)
+    ahead = min(PREFETCH_KEYS, next_n)
+    for r in range(ahead):
+        pages[n + r], slots[n + r] = kv_page_slot(lookup_table, page_size, row_base, b,
+                                                  k0 + n + r * next_quarter)
+    return ahead
+
+
+@body
+def _block_rows(group):
+    """Query heads per block of the CPU kernels: 4, 2 or 1, whichever divides ``group``."""
+    return 4 if group % 4 == 0 else 2 if group % 2 == 0 else 1
+
+
+@body
+def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores):
+    """``scores[h, r] = qs[h] . K[r, h // group]`` for the ``n`` positions of a tile (CPU only).
+
+    A block of four positions at a time, and per KV head its query heads in blocks of
+    :func:`_block_rows`: one sweep over D loads each K element once for up to sixteen dot
+    products (:func:`numattn._simd.scores_block_4`).  The rows of the positions
+    :data:`PREFETCH_KEYS` ahead are asked for (then the tile's first V rows).
     """
     num_kv_heads = k_blocks.shape[2]
-    head_dim = qs.shape[1]
-    zero = qs[0, 0] - qs[0, 0]
-    i = 0
-    while i < n:
-        # keys i, i1, i2, i3: four keys, or the last one repeated at the end
-        i3 = min(i + 3, n - 1)
-        i1 = min(i + 1, i3)
-        i2 = min(i + 2, i3)
-        p0, s0 = pages[i], slots[i]
-        p1, s1 = pages[i1], slots[i1]
-        p2, s2 = pages[i2], slots[i2]
-        p3, s3 = pages[i3], slots[i3]
+    rows = _block_rows(group)
+    for i in range(0, n, 4):
         for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4):
             if t < n:
-                _prefetch_row(k_blocks, pages[t], slots[t])
+                prefetch_row(k_blocks, pages[t], slots[t], PREFETCH_LINES)
             elif t < 2 * n:  # then the tile's first V rows
-                _prefetch_row(v_blocks, pages[t - n], slots[t - n])
+                prefetch_row(v_blocks, pages[t - n], slots[t - n], PREFETCH_LINES)
         for j in range(num_kv_heads):
-            k0 = k_blocks[p0, s0, j]
-            k1 = k_blocks[p1, s1, j]
-            k2 = k_blocks[p2, s2, j]
-            k3 = k_blocks[p3, s3, j]
-            h = j * group
-            h_end = h + group
-            while h < h_end:
-                if h + 4 <= h_end:
-                    q0 = qs[h]
-                    q1 = qs[h + 1]
-                    q2 = qs[h + 2]
-                    q3 = qs[h + 3]
-                    a00 = a01 = a02 = a03 = zero
-                    a10 = a11 = a12 = a13 = zero
-                    a20 = a21 = a22 = a23 = zero
-                    a30 = a31 = a32 = a33 = zero
-                    for d in range(head_dim):
-                        x0 = q0[d]
-                        x1 = q1[d]
-                        x2 = q2[d]
-                        x3 = q3[d]
-                        y = k0[d]
-                        a00 += x0 * y
-                        a10 += x1 * y
-                        a20 += x2 * y
-                        a30 += x3 * y
-                        y = k1[d]
-                        a01 += x0 * y
-                        a11 += x1 * y
-                        a21 += x2 * y
-                        a31 += x3 * y
-                        y = k2[d]
-                        a02 += x0 * y
-                        a12 += x1 * y
-                        a22 += x2 * y
-                        a32 += x3 * y
-                        y = k3[d]
-                        a03 += x0 * y
-                        a13 += x1 * y
-                        a23 += x2 * y
-                        a33 += x3 * y
-                    scores[h, i] = a00
-                    scores[h + 1, i] = a10
-                    scores[h + 2, i] = a20
-                    scores[h + 3, i] = a30
-                    scores[h, i1] = a01
-                    scores[h + 1, i1] = a11
-                    scores[h + 2, i1] = a21
-                    scores[h + 3, i1] = a31
-                    scores[h, i2] = a02
-                    scores[h + 1, i2] = a12
-                    scores[h + 2, i2] = a22
-                    scores[h + 3, i2] = a32
-                    scores[h, i3] = a03
-                    scores[h + 1, i3] = a13
-                    scores[h + 2, i3] = a23
-                    scores[h + 3, i3] = a33
-                    h += 4
+            for h in range(j * group, (j + 1) * group, rows):
+                if rows == 4:
+                    scores_block_4(qs, h, k_blocks, j, pages, slots, i, n, scores)
+                elif rows == 2:
+                    scores_block_2(qs, h, k_blocks, j, pages, slots, i, n, scores)
                 else:
-                    q0 = qs[h]
-                    a00 = a01 = a02 = a03 = zero
-                    for d in range(head_dim):
-                        x0 = q0[d]
-                        a00 += x0 * k0[d]
-                        a01 += x0 * k1[d]
-                        a02 += x0 * k2[d]
-                        a03 += x0 * k3[d]
-                    scores[h, i] = a00
-                    scores[h, i1] = a01
-                    scores[h, i2] = a02
-                    scores[h, i3] = a03
-                    h += 1
-        i += 4
+                    scores_block_1(qs, h, k_blocks, j, pages, slots, i, n, scores)
 
 
 @body
 def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, all_visible,
                  hidden, acc):
-    """``acc[h] += sum_i weights[h, i] V[i, h // group]`` over a tile (CPU only).
+    """``acc[h] += sum_r weights[h, r] V[r, h // group]`` over a tile (CPU only).
 
-    Keys in fours and heads in pairs (one head at a time for an odd ``group``): one sweep
-    over D adds four weighted V rows to the accumulators of two heads of a KV head, each V
-    element loaded once for both.  (Wider blocks measured slower: their weights no longer
-    fit in registers.)  Unless the tile is ``all_visible``, the keys ``hidden[h, i]`` marks
-    are left out, so no NaN their slots hold reaches ``acc`` (a visible key whose weight
-    underflowed to 0 still adds ``0 * V``: NaN in a visible row propagates).  The rows of keys
+    A block of four positions at a time, and the query heads in blocks of
+    :func:`_block_rows`: one sweep over D adds four weighted V rows to the accumulators of
+    up to four heads of a KV head, each V element loaded once for all
+    (:func:`numattn._simd.values_block_4`); the last ``n % 4`` positions one by one.  Unless
+    the tile is ``all_visible``, the keys ``hidden[h, r]`` marks are left out, so no NaN
+    their slots hold reaches ``acc`` (a visible key whose weight underflowed to 0 still adds
+    ``0 * V``: NaN in a visible row propagates).  The rows of the positions
     :data:`PREFETCH_KEYS` ahead are asked for (then the next tile's first K rows).
-    Plain 2-d indexing, not row views: the compiler then sees one array stored to and
-    vectorises the sweep.
     """
     head_dim = acc.shape[1]
-    step = 2 if group % 2 == 0 else 1
+    num_heads = weights.shape[0]
+    rows = _block_rows(group)
     i = 0
     while i + 4 <= n:
-        p0, s0 = pages[i], slots[i]
-        p1, s1 = pages[i + 1], slots[i + 1]
-        p2, s2 = pages[i + 2], slots[i + 2]
-        p3, s3 = pages[i + 3], slots[i + 3]
         for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4):
             if t < n:
-                _prefetch_row(v_blocks, pages[t], slots[t])
+                prefetch_row(v_blocks, pages[t], slots[t], PREFETCH_LINES)
             elif t < ahead:  # then the next tile's first K rows
-                _prefetch_row(k_blocks, pages[t], slots[t])
-        for h in range(0, weights.shape[0], step):
+                prefetch_row(k_blocks, pages[t], slots[t], PREFETCH_LINES)
+        for h in range(0, num_heads, rows):
             j = h // group
-            w0 = weights[h, i]
-            w1 = weights[h, i + 1]
-            w2 = weights[h, i + 2]
-            w3 = weights[h, i + 3]
-            x0 = weights[h + step - 1, i]
-            x1 = weights[h + step - 1, i + 1]
-            x2 = weights[h + step - 1, i + 2]
-            x3 = weights[h + step - 1, i + 3]
-            if not all_visible and (hidden[h, i] or hidden[h, i + 1] or hidden[h, i + 2]
-                                    or hidden[h, i + 3] or hidden[h + step - 1, i]
-                                    or hidden[h + step - 1, i + 1]
-                                    or hidden[h + step - 1, i + 2]
-                                    or hidden[h + step - 1, i + 3]):
-                for g in range(h, h + step):  # key by key, leaving out hidden keys
-                    for u in range(4):
-                        wu = weights[g, i + u]
-                        if not hidden[g, i + u]:
-                            pu = pages[i + u]
-                            su = slots[i + u]
+            some_hidden = False
+            if not all_visible:
+                for g in range(h, h + rows):
+                    for r in range(i, i + 4):
+                        some_hidden |= hidden[g, r]
+            if some_hidden:
+                for g in range(h, h + rows):  # key by key, leaving out hidden keys
+                    for r in range(i, i + 4):
+                        if not hidden[g, r]:
+                            w = weights[g, r]
+                            page = pages[r]
+                            slot = slots[r]
                             for d in range(head_dim):
-                                acc[g, d] += wu * v_blocks[pu, su, j, d]
-            elif step == 2:
-                for d in range(head_dim):
-                    y0 = v_blocks[p0, s0, j, d]
-                    y1 = v_blocks[p1, s1, j, d]
-                    y2 = v_blocks[p2, s2, j, d]
-                    y3 = v_blocks[p3, s3, j, d]
-                    acc[h, d] += (w0 * y0 + w1 * y1) + (w2 * y2 + w3 * y3)
-                    acc[h + 1, d] += (x0 * y0 + x1 * y1) + (x2 * y2 + x3 * y3)
+                                acc[g, d] += w * v_blocks[page, slot, j, d]
+            elif rows == 4:
+                values_block_4(weights, h, v_blocks, j, pages, slots, i, acc)
+            elif rows == 2:
+                values_block_2(weights, h, v_blocks, j, pages, slots, i, acc)
             else:
-                for d in range(head_dim):
-                    acc[h, d] += ((w0 * v_blocks[p0, s0, j, d] + w1 * v_blocks[p1, s1, j, d])
-                                  + (w2 * v_blocks[p2, s2, j, d] + w3 * v_blocks[p3, s3, j, d]))
+                values_block_1(weights, h, v_blocks, j, pages, slots, i, acc)
         i += 4
     while i < n:
-        p0, s0 = pages[i], slots[i]
-        for h in range(weights.shape[0]):
-            w0 = weights[h, i]
+        page = pages[i]
+        slot = slots[i]
+        for h in range(num_heads):
+            w = weights[h, i]
             if all_visible or not hidden[h, i]:
                 j = h // group
                 for d in range(head_dim):
-                    acc[h, d] += w0 * v_blocks[p0, s0, j, d]
+                    acc[h, d] += w * v_blocks[page, slot, j, d]
         i += 1
-
-
-def _prefetch_row(blocks, page, slot):
-    """Ask the CPU to start loading row ``blocks[page, slot]`` (a hint: nothing happens in
-    plain Python; compiled kernels get the implementation :func:`_register_prefetch` adds)."""
-
-
-_PREFETCH_REGISTERED = []
-
-
-def _register_prefetch():
-    """Give :func:`_prefetch_row` its compiled form: ``llvm.prefetch`` (``prefetcht0`` on
-    x86; never faults) of the row's first :data:`PREFETCH_LINES` 64-byte lines.
-
-    Called by the CPU driver before its kernels compile (numba is imported lazily).
-    """
-    if _PREFETCH_REGISTERED:
-        return
-    from llvmlite import ir
-    from numba.core import cgutils, types
-    from numba.extending import intrinsic, overload
-
-    @intrinsic
-    def prefetch_byte(typingctx, arr, offset):
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            i8p = ir.IntType(8).as_pointer()
-            ptr = builder.gep(builder.bitcast(ary.data, i8p), [args[1]])
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-            # read, high locality, data cache
-            builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            return context.get_dummy_value()
-
-        return types.none(arr, offset), codegen
-
-    @overload(_prefetch_row, jit_options={"fastmath": True})
-    def _prefetch_row_impl(blocks, page, slot):
-        def impl(blocks, page, slot):
-            base = page * blocks.strides[0] + slot * blocks.strides[1]
-            row_bytes = blocks.shape[2] * blocks.shape[3] * blocks.itemsize
-            for off in range(0, min(PREFETCH_LINES * 64, row_bytes), 64):
-                prefetch_byte(blocks, base + off)
-
-        return impl
-
-    _PREFETCH_REGISTERED.append(True)
 
 
 def _decode_reduce_cpu(part_m, part_l, part_acc, sinks, has_sink, out, lse):

@@ -65,6 +65,23 @@ def test_matches_reference_every_mask_and_partition_count(kind, dtype, rng):
             assert_close(lse, ref_lse, dtype, what=f"lse {mask!r:.60} P={parts}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_order_with_every_mask(dtype, rng):
+    """Tiles of 12 and 22 keys: blocks take one key from each quarter of a tile (and the last
+    keys one by one), with keys hidden anywhere in a block."""
+    lengths = [0, 5, 11, 12, 30, 47]
+    batch, kv_heads, group, head_dim = len(lengths), 2, 4, 16
+    k, v = make_kv(rng, "paged", lengths, [1] * batch, kv_heads, head_dim, dtype, page_size=8)
+    q = randn(rng, (batch, kv_heads * group, head_dim), dtype)
+    for mask in masks_for(batch, kv_heads * group, max(lengths) + 1, dtype, rng):
+        ref = numattn.reference.decode_attention(q, k, v, mask)
+        for block_k in (12, 22):
+            for parts in (1, 3):
+                out = decode_attention(q, k, v, mask, num_partitions=parts,
+                                       config=MHAConfig(block_k=block_k))
+                assert_close(out, ref, dtype, what=f"{mask!r:.60} block_k={block_k} P={parts}")
+
+
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 def test_gqa_groups(group, rng):
     dtype = np.float32

@@ -1,0 +1,425 @@
+"""CPU micro-kernels of decode, written as explicit LLVM vector code.
+
+Decode reads each K and V row once, so its speed is how well a core overlaps arithmetic with
+streaming the rows from memory; the less arithmetic per row, the closer it gets to the
+memory's rate.  Two inner blocks do nearly all of it, and LLVM's loop vectoriser leaves
+each with overhead that these versions do not have:
+
+* :func:`scores_block_4` (and ``_2``, ``_1``): the dot products of ``rows`` query heads with
+  the K rows of four keys, one vector accumulator per product.  The vectoriser ends every
+  dot product with its own horizontal sum (eight instructions each, 128 for sixteen
+  products); here one tree of two-input shuffles sums sixteen accumulators in 15 vector
+  additions and leaves the sums in one vector, stored four keys at a time.
+* :func:`values_block_4` (and ``_2``, ``_1``): ``rows`` accumulator rows plus the weighted
+  V rows of four keys, sixteen multiply-adds per vector of V loaded with all four heads of a
+  KV head, and no run-time test of whether the accumulators overlap the cache (the
+  vectoriser's version tests that on every call).
+
+Each function is plain NumPy here (its definition, and what runs uncompiled); :func:`register`
+gives it its compiled form (LLVM vectors as wide as the target's registers: 64 bytes with
+AVX-512, 32 with AVX, else 16), and :func:`prefetch_row` its ``llvm.prefetch``.  The CPU
+driver of decode calls :func:`register` before its kernels compile (Numba is imported
+lazily).  Vector loads need the last axis of every array contiguous, as the decode driver
+passes them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "prefetch_row",
+    "register",
+    "scores_block_1",
+    "scores_block_2",
+    "scores_block_4",
+    "values_block_1",
+    "values_block_2",
+    "values_block_4",
+]
+
+#: Keys per block: each block function handles four keys (four K or V rows).
+BLOCK_KEYS = 4
+#: Query heads per block that the functions come in (a KV head's group is cut into these).
+BLOCK_ROWS = (4, 2, 1)
+
+
+def prefetch_row(blocks, page, slot, num_lines):
+    """Ask the CPU to start loading the first ``num_lines`` 64-byte lines of row
+    ``blocks[page, slot]`` (a hint, which never faults: nothing happens in plain Python)."""
+
+
+def _scores_block(rows):
+    def scores_block(qs, h, k_blocks, j, pages, slots, i, n, scores):
+        for b in range(BLOCK_KEYS):
+            if i + b < n:
+                key_row = k_blocks[pages[i + b], slots[i + b], j]
+                scores[h:h + rows, i + b] = qs[h:h + rows] @ key_row
+
+    scores_block.__name__ = scores_block.__qualname__ = f"scores_block_{rows}"
+    scores_block.__doc__ = f"""Dot products of query heads ``h .. h + {rows - 1}`` with the K rows
+    of block positions ``i .. i + 3``: ``scores[h + a, i + b] = qs[h + a] . K_b`` with
+    ``K_b = k_blocks[pages[i + b], slots[i + b], j]``, for the positions ``i + b < n``.
+    Positions past ``n`` are neither written nor read (the compiled form reads the row of
+    position ``n - 1`` in their place)."""
+    return scores_block
+
+
+def _values_block(rows):
+    def values_block(weights, h, v_blocks, j, pages, slots, i, acc):
+        for b in range(BLOCK_KEYS):
+            value_row = v_blocks[pages[i + b], slots[i + b], j]
+            acc[h:h + rows] += weights[h:h + rows, i + b, None] * value_row
+
+    values_block.__name__ = values_block.__qualname__ = f"values_block_{rows}"
+    values_block.__doc__ = f"""Weighted V rows of block positions ``i .. i + 3`` (all in range)
+    added to query heads ``h .. h + {rows - 1}``: ``acc[h + a] += sum_b weights[h + a, i + b]
+    * V_b`` with ``V_b = v_blocks[pages[i + b], slots[i + b], j]``."""
+    return values_block
+
+
+scores_block_4 = _scores_block(4)
+scores_block_2 = _scores_block(2)
+scores_block_1 = _scores_block(1)
+values_block_4 = _values_block(4)
+values_block_2 = _values_block(2)
+values_block_1 = _values_block(1)
+
+_REGISTERED = []
+
+
+def register():
+    """Give the functions of this module their compiled forms (once per process)."""
+    if _REGISTERED:
+        return
+    from numba.extending import overload
+
+    intrinsics = build_intrinsics(target_vector_bytes())
+    for name, intrinsic in intrinsics.items():
+        forward = _FORWARDERS[name.rsplit("_", 1)[0]]
+        # inlined into the caller (as Numba IR): a call would pass every array field by
+        # field, a few hundred bytes of arguments per block of sixteen dot products
+        overload(globals()[name], inline="always")(forward(intrinsic))
+    _REGISTERED.append(True)
+
+
+# ``@overload`` typing functions whose implementations call an intrinsic (Numba wants the
+# parameters of the function, the typing function and the implementation to agree).
+def _forward_scores(intrinsic):
+    def typer(qs, h, k_blocks, j, pages, slots, i, n, scores):
+        def impl(qs, h, k_blocks, j, pages, slots, i, n, scores):
+            intrinsic(qs, h, k_blocks, j, pages, slots, i, n, scores)
+
+        return impl
+
+    return typer
+
+
+def _forward_values(intrinsic):
+    def typer(weights, h, v_blocks, j, pages, slots, i, acc):
+        def impl(weights, h, v_blocks, j, pages, slots, i, acc):
+            intrinsic(weights, h, v_blocks, j, pages, slots, i, acc)
+
+        return impl
+
+    return typer
+
+
+def _forward_prefetch(intrinsic):
+    def typer(blocks, page, slot, num_lines):
+        def impl(blocks, page, slot, num_lines):
+            intrinsic(blocks, page, slot, num_lines)
+
+        return impl
+
+    return typer
+
+
+_FORWARDERS = {"scores_block": _forward_scores, "values_block": _forward_values,
+               "prefetch": _forward_prefetch}
+
+
+def target_vector_bytes():
+    """Width of the vector registers Numba compiles for: 64 bytes with AVX-512, 32 with
+    AVX, else 16 (SSE, NEON).  Follows ``NUMBA_CPU_FEATURES`` when it is set."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    features = config.CPU_FEATURES
+    if features is None:
+        features = llvm.get_host_cpu_features().flatten()
+    enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
+    if "avx512f" in enabled:
+        return 64
+    return 32 if "avx" in enabled else 16
+
+
+def build_intrinsics(vector_bytes):
+    """The Numba intrinsics of this module's functions, for vectors of ``vector_bytes``.
+
+    Returns ``{function name: intrinsic}``.  (:func:`register` installs them; tests also
+    build them for narrower vectors than this machine's.)
+    """
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    i32 = ir.IntType(32)
+    i64 = ir.IntType(64)
+
+    def const(value):
+        return ir.Constant(i64, value)
+
+    def vector_const(element, values):
+        return ir.Constant(ir.VectorType(element, len(values)), list(values))
+
+    def call(builder, name, return_type, args):
+        fnty = ir.FunctionType(return_type, [a.type for a in args])
+        return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
+
+    class Vectors:
+        """Vector loads, stores and arithmetic on the rows of one array dtype."""
+
+        def __init__(self, context, builder, dtype):
+            self.builder = builder
+            self.itemsize = np.dtype(str(dtype)).itemsize
+            self.lanes = max(1, vector_bytes // self.itemsize)
+            element = context.get_data_type(dtype)
+            self.type = ir.VectorType(element, self.lanes)
+            self.name = f"v{self.lanes}f{8 * self.itemsize}"
+
+        def _ptr(self, ptr, offset):
+            return self.builder.bitcast(self.builder.gep(ptr, [offset]), self.type.as_pointer())
+
+        def load(self, ptr, offset, mask=None):
+            if mask is None:
+                return self.builder.load(self._ptr(ptr, offset), align=self.itemsize,
+                                         typ=self.type)
+            return call(self.builder, f"llvm.masked.load.{self.name}.p0", self.type,
+                        [self._ptr(ptr, offset), ir.Constant(i32, self.itemsize), mask,
+                         ir.Constant(self.type, None)])
+
+        def store(self, value, ptr, offset, mask=None):
+            if mask is None:
+                self.builder.store(value, self._ptr(ptr, offset), align=self.itemsize)
+            else:
+                call(self.builder, f"llvm.masked.store.{self.name}.p0", ir.VoidType(),
+                     [value, self._ptr(ptr, offset), ir.Constant(i32, self.itemsize), mask])
+
+        def fma(self, a, b, c):
+            return call(self.builder, f"llvm.fma.{self.name}", self.type, [a, b, c])
+
+        def splat(self, scalar):
+            one = self.builder.insert_element(ir.Constant(self.type, None), scalar,
+                                              ir.Constant(i32, 0))
+            return self.builder.shuffle_vector(one, one, vector_const(i32, [0] * self.lanes))
+
+        def first_lanes(self, count):
+            """Mask of the lanes ``< count`` (the tail of a row)."""
+            builder = self.builder
+            limit = builder.insert_element(ir.Constant(ir.VectorType(i64, self.lanes), None),
+                                           count, ir.Constant(i32, 0))
+            limit = builder.shuffle_vector(limit, limit, vector_const(i32, [0] * self.lanes))
+            return builder.icmp_unsigned("<", vector_const(i64, range(self.lanes)), limit)
+
+        def over_row(self, length, step):
+            """Run ``step(offset, mask)`` over the vectors of a row of ``length`` elements:
+            whole vectors (``mask`` None), then the tail under a mask."""
+            builder = self.builder
+            whole = builder.udiv(length, const(self.lanes))
+            with cgutils.for_range(builder, whole) as loop:
+                step(builder.mul(loop.index, const(self.lanes)), None)
+            tail = builder.urem(length, const(self.lanes))
+            with builder.if_then(builder.icmp_unsigned("!=", tail, const(0))):
+                step(builder.mul(whole, const(self.lanes)), self.first_lanes(tail))
+
+    def sum_lanes(builder, vectors):
+        """Horizontal sums of ``vectors`` (all of one width), by a tree of shuffles: vectors
+        whose lanes, concatenated, hold the sums in order.
+
+        Each step pairs two vectors whose lanes hold ``L`` partial sums of each of their
+        sources and adds the first and second halves of every source: one vector with
+        ``L / 2`` lanes per source for twice the sources.  A vector left without a partner
+        is halved on its own (the vector counts here, 4, 8 or 16, leave only the last one
+        so, and pairs always have one width).
+        """
+        items = [(v, 1, v.type.count) for v in vectors]  # (vector, sources, lanes each)
+        while items[0][2] > 1:
+            paired = []
+            for t in range(0, len(items), 2):
+                a, sources_a, lanes = items[t]
+                b, sources_b, _ = items[t + 1] if t + 1 < len(items) else (a, 0, lanes)
+                half = lanes // 2
+                first = [s * lanes + x for s in range(sources_a) for x in range(half)]
+                first += [sources_a * lanes + s * lanes + x
+                          for s in range(sources_b) for x in range(half)]
+                second = [m + half for m in first]
+                paired.append((builder.fadd(
+                    builder.shuffle_vector(a, b, vector_const(i32, first)),
+                    builder.shuffle_vector(a, b, vector_const(i32, second))),
+                    sources_a + sources_b, half))
+            items = paired
+        return [v for v, _, _ in items]
+
+    def row_pointer(context, builder, arrty, array, index):
+        """Pointer to element ``array[index]`` (``index`` a tuple of LLVM values)."""
+        ary = context.make_array(arrty)(context, builder, array)
+        return cgutils.get_item_pointer(context, builder, arrty, ary, index,
+                                        wraparound=False)
+
+    def last_dim(context, builder, arrty, array):
+        ary = context.make_array(arrty)(context, builder, array)
+        return cgutils.unpack_tuple(builder, ary.shape, arrty.ndim)[-1]
+
+    def key_rows(context, builder, blocks_ty, blocks, j, pages_ty, pages, slots_ty, slots,
+                 positions):
+        """Pointers to row ``blocks[pages[p], slots[p], j]`` for each block position."""
+        rows = []
+        for p in positions:
+            page = builder.load(row_pointer(context, builder, pages_ty, pages, [p]))
+            slot = builder.load(row_pointer(context, builder, slots_ty, slots, [p]))
+            rows.append(row_pointer(context, builder, blocks_ty, blocks,
+                                    [page, slot, j, const(0)]))
+        return rows
+
+    def make_scores(rows):
+        @intrinsic
+        def scores_block(typingctx, qs, h, k_blocks, j, pages, slots, i, n, scores):
+            sig = types.none(qs, h, k_blocks, j, pages, slots, i, n, scores)
+
+            def codegen(context, builder, signature, args):
+                qs_v, h_v, k_v, j_v, pages_v, slots_v, i_v, n_v, scores_v = args
+                qs_ty, _, k_ty, _, pages_ty, slots_ty, _, _, scores_ty = signature.args
+                vec = Vectors(context, builder, qs_ty.dtype)
+                heads = [builder.add(h_v, const(a)) for a in range(rows)]
+                last = builder.sub(n_v, const(1))
+                positions = [builder.select(builder.icmp_signed("<", builder.add(i_v, const(b)),
+                                                                n_v),
+                                            builder.add(i_v, const(b)), last)
+                             for b in range(BLOCK_KEYS)]
+                k_rows = key_rows(context, builder, k_ty, k_v, j_v, pages_ty, pages_v,
+                                  slots_ty, slots_v, positions)
+                q_rows = [row_pointer(context, builder, qs_ty, qs_v, [head, const(0)])
+                          for head in heads]
+                sums = [cgutils.alloca_once_value(builder, ir.Constant(vec.type, 0.0))
+                        for _ in range(rows * BLOCK_KEYS)]
+
+                def step(offset, mask):
+                    q = [vec.load(p, offset, mask) for p in q_rows]
+                    k = [vec.load(p, offset, mask) for p in k_rows]
+                    for a in range(rows):
+                        for b in range(BLOCK_KEYS):
+                            acc = sums[a * BLOCK_KEYS + b]
+                            builder.store(vec.fma(q[a], k[b], builder.load(acc)), acc)
+
+                vec.over_row(last_dim(context, builder, qs_ty, qs_v), step)
+                # lane a * 4 + b of the concatenated result: head a, key b
+                result = sum_lanes(builder, [builder.load(acc) for acc in sums])
+                width = result[0].type.count
+
+                def lane(index):
+                    return result[index // width], index % width
+
+                block_ty = ir.VectorType(vec.type.element, BLOCK_KEYS)
+                whole = builder.icmp_signed("<=", builder.add(i_v, const(BLOCK_KEYS)), n_v)
+                with builder.if_else(whole) as (four_keys, fewer_keys):
+                    with four_keys:
+                        for a in range(rows):
+                            if width >= BLOCK_KEYS:
+                                part, first = lane(a * BLOCK_KEYS)
+                                keys = builder.shuffle_vector(
+                                    part, part, vector_const(i32, range(first, first + 4)))
+                            else:
+                                keys = ir.Constant(block_ty, None)
+                                for b in range(BLOCK_KEYS):
+                                    part, x = lane(a * BLOCK_KEYS + b)
+                                    keys = builder.insert_element(
+                                        keys, builder.extract_element(part, ir.Constant(i32, x)),
+                                        ir.Constant(i32, b))
+                            ptr = row_pointer(context, builder, scores_ty, scores_v,
+                                              [heads[a], i_v])
+                            builder.store(keys, builder.bitcast(ptr, block_ty.as_pointer()),
+                                          align=vec.itemsize)
+                    with fewer_keys:
+                        for b in range(BLOCK_KEYS):
+                            key = builder.add(i_v, const(b))
+                            with builder.if_then(builder.icmp_signed("<", key, n_v)):
+                                for a in range(rows):
+                                    part, x = lane(a * BLOCK_KEYS + b)
+                                    builder.store(
+                                        builder.extract_element(part, ir.Constant(i32, x)),
+                                        row_pointer(context, builder, scores_ty, scores_v,
+                                                    [heads[a], key]))
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return scores_block
+
+    def make_values(rows):
+        @intrinsic
+        def values_block(typingctx, weights, h, v_blocks, j, pages, slots, i, acc):
+            sig = types.none(weights, h, v_blocks, j, pages, slots, i, acc)
+
+            def codegen(context, builder, signature, args):
+                w_v, h_v, v_v, j_v, pages_v, slots_v, i_v, acc_v = args
+                w_ty, _, v_ty, _, pages_ty, slots_ty, _, acc_ty = signature.args
+                vec = Vectors(context, builder, acc_ty.dtype)
+                heads = [builder.add(h_v, const(a)) for a in range(rows)]
+                positions = [builder.add(i_v, const(b)) for b in range(BLOCK_KEYS)]
+                v_rows = key_rows(context, builder, v_ty, v_v, j_v, pages_ty, pages_v,
+                                  slots_ty, slots_v, positions)
+                acc_rows = [row_pointer(context, builder, acc_ty, acc_v, [head, const(0)])
+                            for head in heads]
+                weight = [[vec.splat(builder.load(row_pointer(context, builder, w_ty, w_v,
+                                                              [head, p])))
+                           for p in positions] for head in heads]
+
+                def step(offset, mask):
+                    v = [vec.load(p, offset, mask) for p in v_rows]
+                    for a in range(rows):
+                        total = vec.load(acc_rows[a], offset, mask)
+                        for b in range(BLOCK_KEYS):
+                            total = vec.fma(weight[a][b], v[b], total)
+                        vec.store(total, acc_rows[a], offset, mask)
+
+                vec.over_row(last_dim(context, builder, acc_ty, acc_v), step)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return values_block
+
+    @intrinsic
+    def prefetch(typingctx, blocks, page, slot, num_lines):
+        sig = types.none(blocks, page, slot, num_lines)
+
+        def codegen(context, builder, signature, args):
+            blocks_ty = signature.args[0]
+            blocks_v, page_v, slot_v, lines_v = args
+            row = row_pointer(context, builder, blocks_ty, blocks_v,
+                              [page_v, slot_v, const(0), const(0)])
+            i8p = ir.IntType(8).as_pointer()
+            row = builder.bitcast(row, i8p)
+            itemsize = np.dtype(str(blocks_ty.dtype)).itemsize
+            shape = cgutils.unpack_tuple(
+                builder, context.make_array(blocks_ty)(context, builder, blocks_v).shape, 4)
+            row_elems = builder.mul(shape[2], shape[3])
+            row_lines = builder.udiv(builder.add(builder.mul(row_elems, const(itemsize)),
+                                                 const(63)), const(64))
+            lines = builder.select(builder.icmp_signed("<", lines_v, row_lines), lines_v,
+                                   row_lines)
+            with cgutils.for_range(builder, lines) as loop:
+                # read, high temporal locality (prefetcht0 on x86), data cache
+                call(builder, "llvm.prefetch.p0", ir.VoidType(),
+                     [builder.gep(row, [builder.mul(loop.index, const(64))]),
+                      ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    built = {"prefetch_row": prefetch}
+    for rows in BLOCK_ROWS:
+        built[f"scores_block_{rows}"] = make_scores(rows)
+        built[f"values_block_{rows}"] = make_values(rows)
+    return built

@@ -1,0 +1,161 @@
+"""The explicit-vector CPU micro-kernels of decode (:mod:`numattn._simd`) against NumPy in
+float64, built for every vector width (so this machine also checks the AVX and SSE/NEON
+code), in both dtypes, for blocks of 1, 2 and 4 query heads, head dimensions with and
+without a tail, and blocks cut short by the end of a tile; and decode's block order."""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+import pytest
+
+from numattn import _simd
+from numattn.decode import PREFETCH_KEYS, _block_rows, _tile_rows
+
+from .utils import assert_close, randn
+
+WIDTHS = [16, 32, 64]
+DTYPES = [np.float32, np.float64]
+HEAD_DIMS = [1, 5, 16, 37, 128]
+GROUPS = [1, 2, 3, 4, 6, 8]  # blocks of 1, 2, 1, 4, 2 and 4 query heads
+NUM_KEYS = [1, 3, 4, 7, 12]  # the last block cut short, or not
+
+
+@functools.cache
+def kernels(vector_bytes):
+    """Jitted loops over every block of a tile, calling the intrinsics of one width."""
+    built = _simd.build_intrinsics(vector_bytes)
+    scores_4, scores_2, scores_1 = (built[f"scores_block_{r}"] for r in (4, 2, 1))
+    values_4, values_2, values_1 = (built[f"values_block_{r}"] for r in (4, 2, 1))
+    prefetch = built["prefetch_row"]
+
+    @numba.njit
+    def all_scores(rows, group, qs, k_blocks, pages, slots, n, scores):
+        for i in range(0, n, 4):
+            prefetch(k_blocks, pages[i], slots[i], 1000)  # more lines than a row has
+            for h in range(0, qs.shape[0], rows):
+                j = h // group
+                if rows == 4:
+                    scores_4(qs, h, k_blocks, j, pages, slots, i, n, scores)
+                elif rows == 2:
+                    scores_2(qs, h, k_blocks, j, pages, slots, i, n, scores)
+                else:
+                    scores_1(qs, h, k_blocks, j, pages, slots, i, n, scores)
+
+    @numba.njit
+    def all_values(rows, group, weights, v_blocks, pages, slots, n, acc):
+        for i in range(0, n - n % 4, 4):
+            for h in range(0, acc.shape[0], rows):
+                j = h // group
+                if rows == 4:
+                    values_4(weights, h, v_blocks, j, pages, slots, i, acc)
+                elif rows == 2:
+                    values_2(weights, h, v_blocks, j, pages, slots, i, acc)
+                else:
+                    values_1(weights, h, v_blocks, j, pages, slots, i, acc)
+
+    return all_scores, all_values
+
+
+def problem(rng, group, head_dim, num_keys, dtype):
+    """Query rows, a shuffled pool of K/V rows (NaN in the rows no key uses), and the
+    (page, slot) of each of ``num_keys`` block positions."""
+    kv_heads = 2
+    blocks = randn(rng, (2, 3, 5, kv_heads, head_dim), dtype)
+    rows = rng.permutation(15)[:num_keys]
+    unused = np.setdiff1d(np.arange(15), rows)
+    blocks[:, unused // 5, unused % 5] = np.nan
+    qs = randn(rng, (kv_heads * group, head_dim), dtype)
+    return qs, blocks[0], blocks[1], rows // 5, rows % 5
+
+
+def expected_scores(qs, k_blocks, pages, slots, group):
+    keys = k_blocks[pages, slots].astype(np.float64)  # [n, Hkv, D]
+    heads = np.arange(qs.shape[0])
+    return np.einsum("hd,nhd->hn", qs.astype(np.float64), keys[:, heads // group])
+
+
+@pytest.mark.parametrize("vector_bytes", WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scores_blocks(vector_bytes, dtype, rng):
+    all_scores, _ = kernels(vector_bytes)
+    for group in GROUPS:
+        for head_dim in HEAD_DIMS:
+            for n in NUM_KEYS:
+                qs, k_blocks, _, pages, slots = problem(rng, group, head_dim, n, dtype)
+                # a strided view: positions past n, if written, would land in the margin
+                buffer = np.full((qs.shape[0], n + 4), np.nan, dtype)
+                scores = buffer[:, :n]
+                all_scores(_block_rows(group), group, qs, k_blocks, pages, slots, n, scores)
+                what = f"{vector_bytes}-byte vectors, group {group}, D={head_dim}, n={n}"
+                expected = expected_scores(qs, k_blocks, pages, slots, group)
+                assert_close(scores, expected, dtype, what=what)
+                assert np.isnan(buffer[:, n:]).all(), what
+
+
+@pytest.mark.parametrize("vector_bytes", WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_blocks(vector_bytes, dtype, rng):
+    _, all_values = kernels(vector_bytes)
+    for group in GROUPS:
+        for head_dim in HEAD_DIMS:
+            for n in (4, 8, 12):
+                qs, _, v_blocks, pages, slots = problem(rng, group, head_dim, n, dtype)
+                weights = randn(rng, (qs.shape[0], n), dtype)
+                acc = randn(rng, qs.shape, dtype)
+                values = v_blocks[pages, slots].astype(np.float64)  # [n, Hkv, D]
+                heads = np.arange(qs.shape[0])
+                expected = acc + np.einsum("hn,nhd->hd", weights.astype(np.float64),
+                                           values[:, heads // group])
+                all_values(_block_rows(group), group, weights, v_blocks, pages, slots, n, acc)
+                what = f"{vector_bytes}-byte vectors, group {group}, D={head_dim}, n={n}"
+                assert_close(acc, expected, dtype, what=what)
+
+
+def test_plain_python_definitions_match(rng):
+    """The NumPy definitions (what runs uncompiled) compute the same blocks."""
+    group, n = 4, 7
+    qs, k_blocks, v_blocks, pages, slots = problem(rng, group, 9, n, np.float64)
+    scores = np.full((qs.shape[0], n), np.nan)
+    for i in range(0, n, 4):
+        for h in range(0, qs.shape[0], 4):
+            _simd.scores_block_4(qs, h, k_blocks, h // group, pages, slots, i, n, scores)
+    assert_close(scores, expected_scores(qs, k_blocks, pages, slots, group))
+    acc = np.zeros(qs.shape)
+    for h in range(0, qs.shape[0], 2):
+        _simd.values_block_2(scores, h, v_blocks, h // group, pages, slots, 0, acc)
+    values = v_blocks[pages[:4], slots[:4]][:, np.arange(qs.shape[0]) // group]
+    assert_close(acc, np.einsum("hn,nhd->hd", scores[:, :4], values))
+
+
+@pytest.mark.parametrize("num_keys", [1, 3, 4, 9, 128, 130])
+@pytest.mark.parametrize("next_keys", [0, 2, 128])
+def test_block_order_is_a_permutation_in_quarters(num_keys, next_keys, rng):
+    page_size, k0 = 5, 7
+    pages_per_seq = -(-(k0 + num_keys + next_keys + 3) // page_size)
+    table = rng.permutation(2 * pages_per_seq).reshape(2, pages_per_seq)
+    row_base = np.array([0, 3])
+    size = num_keys + PREFETCH_KEYS
+    pages, slots = np.full(size, -1), np.full(size, -1)
+    keys = np.full(num_keys, -1)
+    ahead = _tile_rows(table, page_size, row_base, 1, k0, num_keys, next_keys, pages, slots,
+                       keys)
+
+    def row_of(key):
+        p = row_base[1] + k0 + key
+        return table[1, p // page_size], p % page_size
+
+    assert sorted(keys) == list(range(num_keys))
+    for r in range(num_keys):
+        assert (pages[r], slots[r]) == row_of(keys[r])
+    quarter = num_keys // 4
+    for m in range(quarter):  # block m: one key from each quarter of the tile
+        assert list(keys[4 * m:4 * m + 4]) == [m, m + quarter, m + 2 * quarter, m + 3 * quarter]
+    assert list(keys[4 * quarter:]) == list(range(4 * quarter, num_keys))
+    # then the first block of the next tile
+    assert ahead == min(PREFETCH_KEYS, next_keys)
+    step = max(next_keys // 4, 1)
+    for r in range(ahead):
+        assert (pages[num_keys + r], slots[num_keys + r]) == row_of(num_keys + r * step)
