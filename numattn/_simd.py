@@ -10,10 +10,10 @@ each with overhead that these versions do not have:
   dot product with its own horizontal sum (eight instructions each, 128 for sixteen
   products); here one tree of two-input shuffles sums sixteen accumulators in 15 vector
   additions and leaves the sums in one vector, stored four keys at a time.
-* :func:`values_block_4` (and ``_2``, ``_1``): ``rows`` accumulator rows plus the weighted
-  V rows of four keys, sixteen multiply-adds per vector of V loaded with all four heads of a
-  KV head, and no run-time test of whether the accumulators overlap the cache (the
-  vectoriser's version tests that on every call).
+* :func:`values_block_4` (and ``_2``, ``_1``): the weighted V rows of four keys added to the
+  accumulator rows of ``rows`` query heads, each vector of V loaded once for all of them
+  (sixteen multiply-adds per four loads of V), and no run-time test of whether the
+  accumulators overlap the cache (the vectoriser's version tests that on every call).
 
 Each function is plain NumPy here (its definition, and what runs uncompiled); :func:`register`
 gives it its compiled form (LLVM vectors as wide as the target's registers: 64 bytes with

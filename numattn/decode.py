@@ -548,8 +548,9 @@ def _tile_rows(lookup_table, page_size, row_base, b, k0, n, next_n, pages, slots
     order.  The order changes which keys share a block, not the result (softmax and the
     weighted sum do not depend on the order of the keys).
 
-    The positions after ``n`` get the rows of the first block of the next tile (its first
-    ``next_n`` keys; the first lines of those are prefetched).  Returns how many.
+    The positions from ``n`` on hold the rows of the next tile's first block (the next tile
+    has ``next_n`` keys), whose first lines the end of this tile prefetches.  Returns how
+    many.
     """
     quarter = n // 4
     page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0)
