@@ -25,6 +25,8 @@ passes them.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 __all__ = [
@@ -86,21 +88,26 @@ values_block_2 = _values_block(2)
 values_block_1 = _values_block(1)
 
 _REGISTERED = []
+_REGISTER_LOCK = threading.Lock()
 
 
 def register():
-    """Give the functions of this module their compiled forms (once per process)."""
+    """Give the functions of this module their compiled forms (once per process, also when
+    several threads make their first call at once)."""
     if _REGISTERED:
         return
-    from numba.extending import overload
+    with _REGISTER_LOCK:
+        if _REGISTERED:
+            return
+        from numba.extending import overload
 
-    intrinsics = build_intrinsics(target_vector_bytes())
-    for name, intrinsic in intrinsics.items():
-        forward = _FORWARDERS[name.rsplit("_", 1)[0]]
-        # inlined into the caller (as Numba IR): a call would pass every array field by
-        # field, a few hundred bytes of arguments per block of sixteen dot products
-        overload(globals()[name], inline="always")(forward(intrinsic))
-    _REGISTERED.append(True)
+        intrinsics = build_intrinsics(target_vector_bytes())
+        for name, intrinsic in intrinsics.items():
+            forward = _FORWARDERS[name.rsplit("_", 1)[0]]
+            # inlined into the caller (as Numba IR): a call would pass every array field
+            # by field, a few hundred bytes of arguments per block of sixteen dot products
+            overload(globals()[name], inline="always")(forward(intrinsic))
+        _REGISTERED.append(True)
 
 
 # ``@overload`` typing functions whose implementations call an intrinsic (Numba wants the
