@@ -184,6 +184,12 @@ def build_intrinsics(vector_bytes):
         fnty = ir.FunctionType(return_type, [a.type for a in args])
         return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
 
+    def broadcast(builder, scalar, lanes):
+        """A vector of ``lanes`` copies of ``scalar``."""
+        one = builder.insert_element(ir.Constant(ir.VectorType(scalar.type, lanes), None),
+                                     scalar, ir.Constant(i32, 0))
+        return builder.shuffle_vector(one, one, vector_const(i32, [0] * lanes))
+
     class Vectors:
         """Vector loads, stores and arithmetic on the rows of one array dtype."""
 
@@ -217,17 +223,12 @@ def build_intrinsics(vector_bytes):
             return call(self.builder, f"llvm.fma.{self.name}", self.type, [a, b, c])
 
         def splat(self, scalar):
-            one = self.builder.insert_element(ir.Constant(self.type, None), scalar,
-                                              ir.Constant(i32, 0))
-            return self.builder.shuffle_vector(one, one, vector_const(i32, [0] * self.lanes))
+            return broadcast(self.builder, scalar, self.lanes)
 
         def first_lanes(self, count):
             """Mask of the lanes ``< count`` (the tail of a row)."""
-            builder = self.builder
-            limit = builder.insert_element(ir.Constant(ir.VectorType(i64, self.lanes), None),
-                                           count, ir.Constant(i32, 0))
-            limit = builder.shuffle_vector(limit, limit, vector_const(i32, [0] * self.lanes))
-            return builder.icmp_unsigned("<", vector_const(i64, range(self.lanes)), limit)
+            return self.builder.icmp_unsigned("<", vector_const(i64, range(self.lanes)),
+                                              broadcast(self.builder, count, self.lanes))
 
         def over_row(self, length, step):
             """Run ``step(offset, mask)`` over the vectors of a row of ``length`` elements:
@@ -269,7 +270,7 @@ def build_intrinsics(vector_bytes):
         return [v for v, _, _ in items]
 
     def row_pointer(context, builder, arrty, array, index):
-        """Pointer to element ``array[index]`` (``index`` a tuple of LLVM values)."""
+        """Pointer to element ``array[index]`` (``index`` a list of LLVM integers)."""
         ary = context.make_array(arrty)(context, builder, array)
         return cgutils.get_item_pointer(context, builder, arrty, ary, index,
                                         wraparound=False)

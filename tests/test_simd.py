@@ -71,6 +71,15 @@ def problem(rng, group, head_dim, num_keys, dtype):
     return qs, blocks[0], blocks[1], rows // 5, rows % 5
 
 
+def cases(rng, dtype, vector_bytes, key_counts):
+    """Every (group, head dim, key count): a problem and a label for failures."""
+    for group in GROUPS:
+        for head_dim in HEAD_DIMS:
+            for n in key_counts:
+                what = f"{vector_bytes}-byte vectors, group {group}, D={head_dim}, n={n}"
+                yield group, n, problem(rng, group, head_dim, n, dtype), what
+
+
 def expected_scores(qs, k_blocks, pages, slots, group):
     keys = k_blocks[pages, slots].astype(np.float64)  # [n, Hkv, D]
     heads = np.arange(qs.shape[0])
@@ -81,37 +90,31 @@ def expected_scores(qs, k_blocks, pages, slots, group):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scores_blocks(vector_bytes, dtype, rng):
     all_scores, _ = kernels(vector_bytes)
-    for group in GROUPS:
-        for head_dim in HEAD_DIMS:
-            for n in NUM_KEYS:
-                qs, k_blocks, _, pages, slots = problem(rng, group, head_dim, n, dtype)
-                # a strided view: positions past n, if written, would land in the margin
-                buffer = np.full((qs.shape[0], n + 4), np.nan, dtype)
-                scores = buffer[:, :n]
-                all_scores(_block_rows(group), group, qs, k_blocks, pages, slots, n, scores)
-                what = f"{vector_bytes}-byte vectors, group {group}, D={head_dim}, n={n}"
-                expected = expected_scores(qs, k_blocks, pages, slots, group)
-                assert_close(scores, expected, dtype, what=what)
-                assert np.isnan(buffer[:, n:]).all(), what
+    for group, n, (qs, k_blocks, _, pages, slots), what in cases(rng, dtype, vector_bytes,
+                                                                 NUM_KEYS):
+        # a strided view: positions past n, if written, would land in the margin
+        buffer = np.full((qs.shape[0], n + 4), np.nan, dtype)
+        scores = buffer[:, :n]
+        all_scores(_block_rows(group), group, qs, k_blocks, pages, slots, n, scores)
+        expected = expected_scores(qs, k_blocks, pages, slots, group)
+        assert_close(scores, expected, dtype, what=what)
+        assert np.isnan(buffer[:, n:]).all(), what
 
 
 @pytest.mark.parametrize("vector_bytes", WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_values_blocks(vector_bytes, dtype, rng):
     _, all_values = kernels(vector_bytes)
-    for group in GROUPS:
-        for head_dim in HEAD_DIMS:
-            for n in (4, 8, 12):
-                qs, _, v_blocks, pages, slots = problem(rng, group, head_dim, n, dtype)
-                weights = randn(rng, (qs.shape[0], n), dtype)
-                acc = randn(rng, qs.shape, dtype)
-                values = v_blocks[pages, slots].astype(np.float64)  # [n, Hkv, D]
-                heads = np.arange(qs.shape[0])
-                expected = acc + np.einsum("hn,nhd->hd", weights.astype(np.float64),
-                                           values[:, heads // group])
-                all_values(_block_rows(group), group, weights, v_blocks, pages, slots, n, acc)
-                what = f"{vector_bytes}-byte vectors, group {group}, D={head_dim}, n={n}"
-                assert_close(acc, expected, dtype, what=what)
+    for group, n, (qs, _, v_blocks, pages, slots), what in cases(rng, dtype, vector_bytes,
+                                                                 (4, 8, 12)):
+        weights = randn(rng, (qs.shape[0], n), dtype)
+        acc = randn(rng, qs.shape, dtype)
+        values = v_blocks[pages, slots].astype(np.float64)  # [n, Hkv, D]
+        heads = np.arange(qs.shape[0])
+        expected = acc + np.einsum("hn,nhd->hd", weights.astype(np.float64),
+                                   values[:, heads // group])
+        all_values(_block_rows(group), group, weights, v_blocks, pages, slots, n, acc)
+        assert_close(acc, expected, dtype, what=what)
 
 
 def test_plain_python_definitions_match(rng):
