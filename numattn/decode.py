@@ -574,9 +574,11 @@ def _tile_rows(lookup_table, page_size, row_base, b, k0, n, next_n, pages, slots
 
 
 @body
-def _block_rows(group):
-    """Query heads per block of the CPU kernels: 4, 2 or 1, whichever divides ``group``."""
-    return 4 if group % 4 == 0 else 2 if group % 2 == 0 else 1
+def _block_rows(heads_left):
+    """Query heads in the next block of the CPU kernels: 4, 2 or 1, the most that fit in
+    ``heads_left`` (a KV head's ``group`` query heads go in blocks of 4, then 2, then 1:
+    seven as 4 + 2 + 1)."""
+    return 4 if heads_left >= 4 else 2 if heads_left >= 2 else 1
 
 
 @body
@@ -589,7 +591,6 @@ def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores):
     :data:`PREFETCH_KEYS` ahead are asked for (then the tile's first V rows).
     """
     num_kv_heads = k_blocks.shape[2]
-    rows = _block_rows(group)
     for i in range(0, n, 4):
         for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4):
             if t < n:
@@ -597,13 +598,16 @@ def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores):
             elif t < 2 * n:  # then the tile's first V rows
                 prefetch_row(v_blocks, pages[t - n], slots[t - n], PREFETCH_LINES)
         for j in range(num_kv_heads):
-            for h in range(j * group, (j + 1) * group, rows):
+            h = j * group
+            while h < (j + 1) * group:
+                rows = _block_rows((j + 1) * group - h)
                 if rows == 4:
                     scores_block_4(qs, h, k_blocks, j, pages, slots, i, n, scores)
                 elif rows == 2:
                     scores_block_2(qs, h, k_blocks, j, pages, slots, i, n, scores)
                 else:
                     scores_block_1(qs, h, k_blocks, j, pages, slots, i, n, scores)
+                h += rows
 
 
 @body
@@ -622,7 +626,6 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, all
     """
     head_dim = acc.shape[1]
     num_heads = weights.shape[0]
-    rows = _block_rows(group)
     i = 0
     while i + 4 <= n:
         for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4):
@@ -630,8 +633,10 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, all
                 prefetch_row(v_blocks, pages[t], slots[t], PREFETCH_LINES)
             elif t < ahead:  # then the next tile's first K rows
                 prefetch_row(k_blocks, pages[t], slots[t], PREFETCH_LINES)
-        for h in range(0, num_heads, rows):
+        h = 0
+        while h < num_heads:
             j = h // group
+            rows = _block_rows((j + 1) * group - h)
             some_hidden = False
             if not all_visible:
                 for g in range(h, h + rows):
@@ -652,6 +657,7 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, all
                 values_block_2(weights, h, v_blocks, j, pages, slots, i, acc)
             else:
                 values_block_1(weights, h, v_blocks, j, pages, slots, i, acc)
+            h += rows
         i += 4
     while i < n:
         page = pages[i]

@@ -66,11 +66,13 @@ def test_matches_reference_every_mask_and_partition_count(kind, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_block_order_with_every_mask(dtype, rng):
+@pytest.mark.parametrize("group", [4, 7])
+def test_block_order_with_every_mask(dtype, group, rng):
     """Tiles of 12 and 22 keys: blocks take one key from each quarter of a tile (and the last
-    keys one by one), with keys hidden anywhere in a block."""
+    keys one by one), with keys hidden anywhere in a block; groups of 7 query heads go in
+    blocks of 4, 2 and 1."""
     lengths = [0, 5, 11, 12, 30, 47]
-    batch, kv_heads, group, head_dim = len(lengths), 2, 4, 16
+    batch, kv_heads, head_dim = len(lengths), 2, 16
     k, v = make_kv(rng, "paged", lengths, [1] * batch, kv_heads, head_dim, dtype, page_size=8)
     q = randn(rng, (batch, kv_heads * group, head_dim), dtype)
     for mask in masks_for(batch, kv_heads * group, max(lengths) + 1, dtype, rng):
@@ -82,7 +84,7 @@ def test_block_order_with_every_mask(dtype, rng):
                 assert_close(out, ref, dtype, what=f"{mask!r:.60} block_k={block_k} P={parts}")
 
 
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 6, 7, 8])
 def test_gqa_groups(group, rng):
     dtype = np.float32
     kv_heads = 8 // group if group < 8 else 1

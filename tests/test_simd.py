@@ -19,7 +19,7 @@ from .utils import assert_close, randn
 WIDTHS = [16, 32, 64]
 DTYPES = [np.float32, np.float64]
 HEAD_DIMS = [1, 5, 16, 37, 128]
-GROUPS = [1, 2, 3, 4, 6, 8]  # blocks of 1, 2, 1, 4, 2 and 4 query heads
+GROUPS = [1, 2, 3, 4, 5, 6, 7, 8]  # query heads per KV head in blocks of 4, 2, 1 (7: 4+2+1)
 NUM_KEYS = [1, 3, 4, 7, 12]  # the last block cut short, or not
 
 
@@ -32,10 +32,10 @@ def kernels(vector_bytes):
     prefetch = built["prefetch_row"]
 
     @numba.njit
-    def all_scores(rows, group, qs, k_blocks, pages, slots, n, scores):
+    def all_scores(blocks, group, qs, k_blocks, pages, slots, n, scores):
         for i in range(0, n, 4):
             prefetch(k_blocks, pages[i], slots[i], 1000)  # more lines than a row has
-            for h in range(0, qs.shape[0], rows):
+            for h, rows in blocks:
                 j = h // group
                 if rows == 4:
                     scores_4(qs, h, k_blocks, j, pages, slots, i, n, scores)
@@ -45,9 +45,9 @@ def kernels(vector_bytes):
                     scores_1(qs, h, k_blocks, j, pages, slots, i, n, scores)
 
     @numba.njit
-    def all_values(rows, group, weights, v_blocks, pages, slots, n, acc):
+    def all_values(blocks, group, weights, v_blocks, pages, slots, n, acc):
         for i in range(0, n - n % 4, 4):
-            for h in range(0, acc.shape[0], rows):
+            for h, rows in blocks:
                 j = h // group
                 if rows == 4:
                     values_4(weights, h, v_blocks, j, pages, slots, i, acc)
@@ -57,6 +57,28 @@ def kernels(vector_bytes):
                     values_1(weights, h, v_blocks, j, pages, slots, i, acc)
 
     return all_scores, all_values
+
+
+def head_blocks(num_heads, group):
+    """``[first head, rows]`` of each block, as decode forms them with ``_block_rows``."""
+    blocks = []
+    for first in range(0, num_heads, group):
+        h = first
+        while h < first + group:
+            rows = _block_rows(first + group - h)
+            blocks.append((h, rows))
+            h += rows
+    return np.array(blocks, dtype=np.int64)
+
+
+@pytest.mark.parametrize("group, sizes", [(1, [1]), (2, [2]), (3, [2, 1]), (4, [4]),
+                                          (5, [4, 1]), (6, [4, 2]), (7, [4, 2, 1]),
+                                          (8, [4, 4]), (11, [4, 4, 2, 1])])
+def test_head_blocks(group, sizes):
+    """A KV head's query heads go in blocks of 4, then 2, then 1."""
+    blocks = head_blocks(2 * group, group)
+    assert blocks[:, 1].tolist() == sizes * 2
+    assert blocks[:, 0].tolist() == (np.cumsum([0] + sizes * 2)[:-1]).tolist()
 
 
 def problem(rng, group, head_dim, num_keys, dtype):
@@ -95,7 +117,7 @@ def test_scores_blocks(vector_bytes, dtype, rng):
         # a strided view: positions past n, if written, would land in the margin
         buffer = np.full((qs.shape[0], n + 4), np.nan, dtype)
         scores = buffer[:, :n]
-        all_scores(_block_rows(group), group, qs, k_blocks, pages, slots, n, scores)
+        all_scores(head_blocks(qs.shape[0], group), group, qs, k_blocks, pages, slots, n, scores)
         expected = expected_scores(qs, k_blocks, pages, slots, group)
         assert_close(scores, expected, dtype, what=what)
         assert np.isnan(buffer[:, n:]).all(), what
@@ -113,7 +135,7 @@ def test_values_blocks(vector_bytes, dtype, rng):
         heads = np.arange(qs.shape[0])
         expected = acc + np.einsum("hn,nhd->hd", weights.astype(np.float64),
                                    values[:, heads // group])
-        all_values(_block_rows(group), group, weights, v_blocks, pages, slots, n, acc)
+        all_values(head_blocks(qs.shape[0], group), group, weights, v_blocks, pages, slots, n, acc)
         assert_close(acc, expected, dtype, what=what)
 
 
