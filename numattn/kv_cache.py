@@ -39,6 +39,8 @@ from ._validate import (
 
 __all__ = ["ContinuousBatchingKVCache", "KVLayout", "PagedKVCache", "store_kv"]
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
 
 @body
 def kv_page_slot(lookup_table, page_size, row_base, b, t):
@@ -338,15 +340,18 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
     if isinstance(k, ContinuousBatchingKVCache):
         capacity, limit = page_size, f"the cache holds max_seq_len = {page_size}"
     else:
-        capacity = min(table.shape[1] * page_size, int(np.iinfo(np.int64).max))
+        capacity = min(table.shape[1] * page_size, _INT64_MAX)
         limit = f"its lookup_table row holds {table.shape[1]} pages of {page_size}"
-    # Compare with the room left (0 <= lengths, kv_lens, capacity <= int64 max) instead of
-    # adding: cache_lengths near the int64 limit must not wrap.
+    # The constructor checked cache_lengths, but callers update it in place between steps.
+    # Compare with the room left (0 <= kv_lens, capacity <= int64 max) instead of adding:
+    # cache_lengths near the int64 limit must not wrap.
     kv_lens = np.zeros(batch, np.int64) if kv_lens is None else kv_lens
-    over = (lengths > capacity) | (kv_lens > capacity - lengths)
-    if np.any(over):
+    over = (lengths < 0) | (lengths > capacity) | (kv_lens > capacity - lengths)
+    if over.any():
         b = int(np.argmax(over))
         length, new = int(lengths[b]), int(kv_lens[b])
+        if length < 0:
+            raise ValueError(f"{cls}.cache_lengths[{b}] must be >= 0, got {length}")
         raise ValueError(
             f"sequence {b} needs {length + new} tokens ({cls}.cache_lengths[{b}] = {length} "
             f"plus {new} new rows) but {limit}"
@@ -355,7 +360,7 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
     if isinstance(k, ContinuousBatchingKVCache):
         used = num_keys > 0
         bad = used & ((table < 0) | (table >= pages))
-        if np.any(bad):
+        if bad.any():
             b = int(np.argmax(bad))
             raise ValueError(
                 f"lookup_table[{b}] = {table[b]} is out of range [0, {pages}) for a sequence "
@@ -364,9 +369,9 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
         table = np.where(used, table, 0).reshape(batch, 1)
     else:
         max_pages = table.shape[1]
-        needed = np.arange(max_pages)[None, :] * page_size < num_keys[:, None]
+        needed = np.arange(max_pages) * page_size < num_keys[:, None]
         bad = needed & ((table < 0) | (table >= pages))
-        if np.any(bad):
+        if bad.any():
             b, j = (int(i) for i in np.argwhere(bad)[0])
             raise ValueError(
                 f"lookup_table[{b}, {j}] = {table[b, j]} is out of range [0, {pages}) but "

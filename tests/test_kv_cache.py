@@ -216,6 +216,33 @@ def test_cache_lengths_near_int64_limit_are_rejected_by_every_entry_point(kind, 
 
 
 @pytest.mark.parametrize("kind", ["continuous", "paged"])
+def test_cache_lengths_made_negative_after_construction_are_rejected(kind, rng):
+    """Callers update cache_lengths in place between steps: every call checks it again."""
+    kb, vb, _, _, table = make_cache(rng, kind, [3, 2], 1, 4, np.float32, page_size=4)
+    cls = numattn.PagedKVCache if kind == "paged" else numattn.ContinuousBatchingKVCache
+    lengths = np.array([2, 1])
+    k, v = cls(kb, lengths, table), cls(vb, lengths, table)
+    lengths[1] = -3
+    k_before = kb.copy()
+    where = rf"{cls.__name__}.cache_lengths\[1\] must be >= 0, got -3"
+    calls = [
+        lambda out: numattn.decode_attention(np.ones((2, 2, 4), np.float32), k, v, out=out),
+        lambda out: numattn.flash_attention_kv_cache(np.ones((2, 1, 2, 4), np.float32), k, v,
+                                                     None, out=out),
+        lambda out: numattn.cross_attention(np.ones((2, 2, 4), np.float32),
+                                            np.array([0, 1, 2]), 1, k, v, None, out=out),
+    ]
+    for call, shape in zip(calls, [(2, 2, 4), (2, 1, 2, 4), (2, 2, 4)]):
+        out = np.full(shape, 3.0, np.float32)
+        with pytest.raises(ValueError, match=where):
+            call(out)
+        assert np.all(out == 3.0)
+    with pytest.raises(ValueError, match=where):
+        numattn.store_kv(k, np.ones((2, 1, 4), np.float32), [0, 1, 2])
+    assert np.array_equal(kb, k_before, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["continuous", "paged"])
 def test_capacity_check_cannot_wrap_and_accepts_a_full_cache(kind, rng):
     kb, _, _, _, table = make_cache(rng, kind, [4, 1], 1, 2, np.float32, page_size=4)
     cls = numattn.PagedKVCache if kind == "paged" else numattn.ContinuousBatchingKVCache
