@@ -1,6 +1,8 @@
 """Benchmark of ``decode_attention`` on the CPU against the machine's read bandwidth and torch.
 
-Run ``python benchmarks/bench_decode.py`` (``--repeat N`` for more repeats).  For each case it
+Run ``python benchmarks/bench_decode.py`` (``--repeat N`` for more repeats; ``--case
+B,H,HKV,N,D``, repeatable, runs those shapes instead, e.g. ``--case 4,28,4,8192,128`` for a
+model with 28 query and 4 KV heads).  For each case it
 prints the median time of numattn (paged cache, pages of 128) and of PyTorch's CPU
 ``scaled_dot_product_attention`` (q of length 1, ``enable_gqa=True``, dense K/V), the KV bytes
 per second (the K and V rows of the live cache, each read once), the fraction of the read
@@ -57,20 +59,37 @@ def paged_problem(rng, batch, num_heads, num_kv_heads, num_keys, head_dim, dtype
     return q, k, v, dense(k_pages), dense(v_pages)
 
 
+def parse_case(text):
+    """``"B,H,HKV,N,D"`` -> a case tuple like those of :data:`CASES`."""
+    try:
+        batch, heads, kv_heads, num_keys, head_dim = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected B,H,HKV,N,D (5 integers), got {text!r}") from None
+    if min(batch, heads, kv_heads, num_keys, head_dim) < 1 or heads % kv_heads:
+        raise argparse.ArgumentTypeError(f"need positive sizes and H % HKV == 0, got {text!r}")
+    label = f"B={batch} H={heads}/{kv_heads} N={num_keys} D={head_dim}"
+    return label, batch, heads, kv_heads, num_keys, head_dim
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--case", type=parse_case, action="append", metavar="B,H,HKV,N,D",
+                        help="run this shape instead of the named ones (repeatable)")
     args = parser.parse_args(argv)
+    cases = args.case or CASES
+    width = max(14, 2 + max(len(case[0]) for case in cases))
     dtype = np.dtype(args.dtype)
     rng = np.random.default_rng(0)
     torch = torch_or_none()
     read_all, read_bytes = read_all_fn()
     print(f"dtype {dtype}; {os.cpu_count()} cores; torch {'yes' if torch is not None else 'no'}")
-    header = (f"{'case':<14}{'numattn ms':>11}{'(min..max)':>16}{'GB/s':>7}{'read bw':>9}"
+    header = (f"{'case':<{width}}{'numattn ms':>11}{'(min..max)':>16}{'GB/s':>7}{'read bw':>9}"
               f"{'of bw':>7}{'torch ms':>10}{'GB/s':>7}{'speedup':>9}")
     print(header)
-    for label, batch, heads, kv_heads, num_keys, head_dim in CASES:
+    for label, batch, heads, kv_heads, num_keys, head_dim in cases:
         q, k, v, k_dense, v_dense = paged_problem(rng, batch, heads, kv_heads, num_keys,
                                                   head_dim, dtype)
         out = np.empty(q.shape, dtype)
@@ -93,7 +112,7 @@ def main(argv=None):
         med, lo, hi = statistics.median(times[0]), min(times[0]), max(times[0])
         bandwidth = read_bytes / statistics.median(times[1]) / 1e9
         gbs = kv_bytes / med / 1e9
-        line = (f"{label:<14}{med * 1e3:>11.2f}{f'({lo * 1e3:.1f}..{hi * 1e3:.1f})':>16}"
+        line = (f"{label:<{width}}{med * 1e3:>11.2f}{f'({lo * 1e3:.1f}..{hi * 1e3:.1f})':>16}"
                 f"{gbs:>7.1f}{bandwidth:>9.1f}{gbs / bandwidth:>7.0%}")
         if torch is not None:
             t_med = statistics.median(times[2])
