@@ -161,6 +161,50 @@ def check_heads(q_heads, kv_heads):
     return q_heads // kv_heads
 
 
+def _address_range(x):
+    """``(on_device, first, last + 1)``: the byte addresses an array may touch, or ``None``
+    for an object that says nothing of its memory."""
+    if isinstance(x, np.ndarray):
+        on_device, address, strides = False, x.__array_interface__["data"][0], x.strides
+    elif hasattr(x, "__cuda_array_interface__"):
+        interface = x.__cuda_array_interface__
+        on_device, address, strides = True, interface["data"][0], interface.get("strides")
+    elif isinstance(getattr(x, "_ary", None), np.ndarray):  # the CUDA simulator's arrays
+        on_device, address, strides = True, x._ary.__array_interface__["data"][0], x._ary.strides
+    else:
+        return None
+    shape = shape_of(x)
+    itemsize = dtype_of(x).itemsize
+    if strides is None:  # C-contiguous
+        strides = np.cumprod((itemsize, *shape[:0:-1]))[::-1].tolist()
+    if 0 in shape:
+        return on_device, address, address
+    first = last = address
+    for n, stride in zip(shape, strides):
+        if stride < 0:
+            first += (n - 1) * stride
+        else:
+            last += (n - 1) * stride
+    return on_device, first, last + itemsize
+
+
+def check_no_overlap(out, inputs):
+    """``out`` must not share memory with any array in ``inputs`` (name -> array or None):
+    the kernel would read what it has already overwritten.  Host and device arrays both
+    (compared by the address ranges they span, as ``np.may_share_memory`` does)."""
+    out_range = None if out is None else _address_range(out)
+    if out_range is None:
+        return
+    on_device, out_first, out_last = out_range
+    for name, x in inputs.items():
+        x_range = None if x is None else _address_range(x)
+        if x_range is None or x_range[0] != on_device:
+            continue
+        _, first, last = x_range
+        if max(first, out_first) < min(last, out_last):  # empty ranges overlap nothing
+            raise ValueError(f"out must not overlap {name}")
+
+
 def check_out(out, shape, dtype, name="out"):
     """``out=`` must be a C-contiguous array of exactly the result's shape and dtype."""
     if out is None:

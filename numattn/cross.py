@@ -34,6 +34,7 @@ from ._validate import (
     check_array,
     check_float_dtype,
     check_heads,
+    check_no_overlap,
     check_out,
     check_row_offsets,
     check_scale,
@@ -174,7 +175,9 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
     additive4 = additive_4d(additive, batch=batch, num_heads=num_heads,
                             max_q_len=q_max_seq_len, max_keys=max_keys, dtype=dtype)
     out = check_out(out, (num_tokens, num_heads, head_dim), dtype)
-    _check_no_overlap(out, q, layout)
+    # unlike flash's, the CUDA kernel accumulates in out: out must not be q either
+    check_no_overlap(out, {"q": q, "k": layout.k_blocks, "v": layout.v_blocks,
+                           "mask": additive4})
     if device == "cuda":
         cuda = require_cuda()
         for name, x in (("q", q), ("out", out), ("mask", additive)):
@@ -261,14 +264,6 @@ def _check_device_contiguous(cuda, name, x):
     view = x if hasattr(x, "is_c_contiguous") else cuda.as_cuda_array(x)
     if not view.is_c_contiguous():
         raise ValueError(f"{name} must be C-contiguous on the device")
-
-
-def _check_no_overlap(out, q, layout):
-    if not isinstance(out, np.ndarray):
-        return
-    for name, x in (("q", q), ("k", layout.k_blocks), ("v", layout.v_blocks)):
-        if isinstance(x, np.ndarray) and np.may_share_memory(out, x):
-            raise ValueError(f"out must not overlap {name}")
 
 
 def _empty_result(q, out, shape, dtype, return_lse):

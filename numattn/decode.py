@@ -50,6 +50,7 @@ from ._validate import (
     check_array,
     check_float_dtype,
     check_heads,
+    check_no_overlap,
     check_out,
     check_scale,
     check_sink_weights,
@@ -200,6 +201,8 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
         device, [q, layout.k_blocks, layout.v_blocks, tensor, out, sink_weights]
     )
     out = check_out(out, (batch, num_heads, head_dim), dtype)
+    # out may be q, k or v: every key is read before the reduction writes out
+    check_no_overlap(out, {"sink_weights": sinks})
     args = _KernelArgs(layout, program, tensor is not None, additive,
                        sinks if sinks is not None else np.zeros(num_heads, dtype),
                        sinks is not None, dtype.type(scale), config)

@@ -39,6 +39,7 @@ from ._validate import (
     check_array,
     check_float_dtype,
     check_heads,
+    check_no_overlap,
     check_out,
     check_row_offsets,
     check_scale,
@@ -204,6 +205,9 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     check_out(out, shape_of(q), dtype)
     if out is not None and not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
+    # out may be q (each tile of queries is read before its outputs are written)
+    check_no_overlap(out, {"k": layout.k_blocks, "v": layout.v_blocks, "mask": additive4,
+                           "sink_weights": sinks})
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
 

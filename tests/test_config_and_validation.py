@@ -122,3 +122,32 @@ def test_device_resolution():
     with pytest.raises(ValueError, match="device must be"):
         resolve_device("gpu", [host])
     assert issubclass(CudaUnavailableError, RuntimeError)
+
+
+class _DeviceRange:
+    """Just enough of a CUDA device array for the overlap check (never dereferenced)."""
+
+    def __init__(self, address, shape, strides=None, typestr="<f4"):
+        self.__cuda_array_interface__ = {"data": (address, False), "shape": shape,
+                                         "strides": strides, "typestr": typestr, "version": 3}
+        self.shape = shape
+        self.dtype = np.dtype(typestr)
+
+
+def test_overlap_check_on_host_and_device_arrays():
+    base = np.zeros((6, 8), np.float32)
+    V.check_no_overlap(base[:3], {"x": base[3:], "none": None})  # adjacent rows
+    V.check_no_overlap(None, {"x": base})
+    for other in (base[2:4], base[::-1], base[:, ::-2], base.T):
+        with pytest.raises(ValueError, match="out must not overlap x"):
+            V.check_no_overlap(base[3:5], {"x": other})
+    # device arrays: address ranges from the interface (C-contiguous when strides is None)
+    out = _DeviceRange(1000, (2, 3))  # bytes 1000..1023
+    V.check_no_overlap(out, {"x": _DeviceRange(1024, (4,)), "host": base})
+    V.check_no_overlap(out, {"x": _DeviceRange(900, (25,))})  # ends at byte 1000
+    V.check_no_overlap(out, {"x": _DeviceRange(1020, (0, 5))})  # empty
+    for other in (_DeviceRange(1020, (4,)), _DeviceRange(900, (2, 26)),
+                  _DeviceRange(1100, (3,), strides=(-40,)),  # bytes 1020..1103
+                  _DeviceRange(992, (2,), typestr="<f8")):
+        with pytest.raises(ValueError, match="out must not overlap x"):
+            V.check_no_overlap(out, {"x": other})

@@ -320,6 +320,31 @@ def test_out_and_repeatability(rng):
                  np.float32)
 
 
+def test_out_may_be_q_k_or_v_but_not_the_sinks(rng):
+    """The reduction writes out after every key was read: out may share memory with q, K
+    or V; the sink logits are read by the reduction itself, so out must not hold them."""
+    batch, heads, head_dim = 4, 2, 8
+    k_blocks = randn(rng, (batch, 4, heads, head_dim), np.float32)  # a page [4, Hkv, D]
+    v_blocks = randn(rng, (batch, 4, heads, head_dim), np.float32)  # is shaped like q
+    lengths, table = np.full(batch, 3), np.arange(batch).reshape(batch, 1)
+    k = numattn.PagedKVCache(k_blocks, lengths, table)
+    v = numattn.PagedKVCache(v_blocks, lengths, table)
+    q = randn(rng, (batch, heads, head_dim), np.float32)
+    expected = numattn.reference.decode_attention(q, k, v, CausalMask())
+    k_saved, v_saved = k_blocks.copy(), v_blocks.copy()
+    for target in ("q", "k", "v"):
+        k_blocks[...], v_blocks[...] = k_saved, v_saved
+        query = q.copy()
+        out = {"q": query, "k": k_blocks[0], "v": v_blocks[1]}[target]
+        got = decode_attention(query, k, v, CausalMask(), out=out, num_partitions=2)
+        assert got is out
+        assert_close(got, expected, np.float32, what=f"out={target}")
+    out = np.zeros((batch, heads, head_dim), np.float32)
+    with pytest.raises(ValueError, match="out must not overlap sink_weights"):
+        decode_attention(q, k, v, out=out, sink_weights=out[0, 0, :heads])
+    assert not out.any()
+
+
 def test_errors_write_nothing(rng):
     k, v = make_kv(rng, "paged", [3, 4], [1, 1], 2, 8, np.float32, page_size=4)
     q = randn(rng, (2, 4, 8), np.float32)

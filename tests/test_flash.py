@@ -351,6 +351,36 @@ def test_bad_out(rng, bad_out, error):
     assert np.array_equal(np.asarray(bad_out), before)
 
 
+def test_out_may_be_q_but_not_what_the_kernel_reads_while_writing(rng):
+    """out=q computes in place (a tile of queries is read before its outputs are written);
+    out sharing memory with K, V, the additive mask or the sinks is refused, as the kernel
+    would read values it has overwritten (it did: out=k gave errors of 0.6)."""
+    dtype = np.float32
+    b, s, h, d = 1, 70, 2, 70  # q, dense K/V and a [B, H, S, N] mask all hold B*S*H*D
+    q = randn(rng, (b, s, h, d), dtype)
+    k, v = make_kv(rng, "dense", [0], [s], h, d, dtype)
+    bias = randn(rng, (b, h, s, s), dtype)
+    config = MHAConfig(block_q=16, block_k=16)
+    expected = reference.flash_attention_kv_cache(q, k, v, CausalMask())
+    in_place = q.copy()
+    got = flash_attention_kv_cache(in_place, k, v, CausalMask(), out=in_place, config=config)
+    assert got is in_place
+    assert_close(got, expected, dtype)
+    for name, out, kwargs in [
+        ("k", k, {}),
+        ("v", v[:, ::-1][:, ::-1], {}),  # a view of v
+        ("mask", bias.reshape(q.shape), {"mask": bias}),
+        ("sink_weights", q.copy(), {}),
+    ]:
+        if name == "sink_weights":
+            kwargs = {"sink_weights": out.reshape(-1)[5:5 + h]}
+        before = out.copy()
+        with pytest.raises(ValueError, match=f"out must not overlap {name}"):
+            flash_attention_kv_cache(q, k, v, kwargs.pop("mask", CausalMask()), out=out,
+                                     config=config, **kwargs)
+        assert np.array_equal(out, before)
+
+
 def test_configs_agree(rng):
     dtype = np.float64
     q = randn(rng, (2, 37, 6, 16), dtype)
