@@ -103,7 +103,8 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
         ``"auto"`` runs on CUDA when an input is a device array.  Device arrays are used in
         place; NumPy inputs with ``device="cuda"`` are copied over and the result back.
     out : array [T, H, D], optional
-        Written in place and returned (C-contiguous, ``q``'s dtype).
+        Written in place and returned (C-contiguous, ``q``'s dtype).  It must not share
+        memory with ``q``, ``k``, ``v`` or the mask's tensor (``ValueError``).
     return_lse : bool, default False
         Also return the natural-log log-sum-exp of the scores, ``[T, H]``.
     config : MHAConfig, optional

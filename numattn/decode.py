@@ -132,7 +132,9 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
         inputs are copied to the GPU and the results back; device arrays are used in place
         and the results stay on the device.
     out : ndarray, shape [B, H, D], optional
-        Written in place and returned (C-contiguous, the queries' dtype).
+        Written in place and returned (C-contiguous, the queries' dtype), once every key has
+        been read: it may be ``q`` or share memory with ``k`` and ``v``, but not with
+        ``sink_weights`` (``ValueError``).
     return_lse : bool, default False
         Also return the log-sum-exp of each row (natural log).
     config : MHAConfig, optional

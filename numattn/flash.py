@@ -104,7 +104,9 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     sink_weights : ndarray [H], optional
         One sink logit per query head, counted once in each row's softmax denominator.
     out : ndarray, optional
-        C-contiguous array of ``q``'s shape and dtype, written in place and returned.
+        C-contiguous array of ``q``'s shape and dtype, written in place and returned.  It
+        may be ``q`` itself, but must not share memory with ``k``, ``v``, the mask's
+        tensor or ``sink_weights`` (``ValueError``).
     return_lse : bool, default False
         Also return the natural-log log-sum-exp of every row, ``[B, S, H]`` or ``[T, H]``.
     config : MHAConfig, optional
