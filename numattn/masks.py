@@ -49,6 +49,8 @@ OP_CHUNKED_CAUSAL = 4
 OP_AND = 5
 OP_OR = 6
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
 # Tile status.
 TILE_NONE = 0  # nothing hidden
 TILE_PARTIAL = 1  # some pairs hidden, some visible
@@ -196,6 +198,12 @@ def _check_mask_operand(other, op):
         raise TypeError(f"cannot combine a mask with {type(other).__name__} using {op!r}")
 
 
+def _program_size(value):
+    """A window or chunk as the int64 the kernels read.  Sizes past the int64 range act
+    like the largest int64: no position reaches them."""
+    return min(int(value), _INT64_MAX)
+
+
 def _check_positive(cls, name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{cls}.{name} must be an integer, got {type(value).__name__}")
@@ -266,10 +274,10 @@ class SlidingWindowCausalMask(Mask):
     def visible(self, q_idx, k_idx):
         q = np.asarray(q_idx)
         k = np.asarray(k_idx)
-        return (k <= q) & (q - k < self.window)
+        return (k <= q) & (q - k < _program_size(self.window))
 
     def _program(self):
-        return [(OP_SLIDING_WINDOW_CAUSAL, int(self.window))]
+        return [(OP_SLIDING_WINDOW_CAUSAL, _program_size(self.window))]
 
 
 @dataclass(frozen=True)
@@ -294,10 +302,11 @@ class ChunkedMask(Mask):
         _check_positive("ChunkedMask", "chunk", self.chunk)
 
     def visible(self, q_idx, k_idx):
-        return np.asarray(q_idx) // self.chunk == np.asarray(k_idx) // self.chunk
+        chunk = _program_size(self.chunk)
+        return np.asarray(q_idx) // chunk == np.asarray(k_idx) // chunk
 
     def _program(self):
-        return [(OP_CHUNKED, int(self.chunk))]
+        return [(OP_CHUNKED, _program_size(self.chunk))]
 
 
 @dataclass(frozen=True)
@@ -324,10 +333,11 @@ class ChunkedCausalMask(Mask):
     def visible(self, q_idx, k_idx):
         q = np.asarray(q_idx)
         k = np.asarray(k_idx)
-        return (k <= q) & (q // self.chunk == k // self.chunk)
+        chunk = _program_size(self.chunk)
+        return (k <= q) & (q // chunk == k // chunk)
 
     def _program(self):
-        return [(OP_CHUNKED_CAUSAL, int(self.chunk))]
+        return [(OP_CHUNKED_CAUSAL, _program_size(self.chunk))]
 
 
 @dataclass(frozen=True, eq=False)

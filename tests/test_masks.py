@@ -151,6 +151,26 @@ def test_invalid_parameters(factory, value, exc):
         factory(value)
 
 
+@pytest.mark.parametrize("size", [2**62, 2**63 - 1, 2**63, 2**80])
+def test_sizes_past_every_position_act_as_no_limit(size, rng):
+    """A window or chunk larger than any position (even past int64) hides nothing more than
+    causality does; the kernels read it as the largest int64."""
+    q = rng.standard_normal((2, 6, 2, 4)).astype(np.float32)
+    k = rng.standard_normal((2, 9, 2, 4)).astype(np.float32)
+    v = rng.standard_normal((2, 9, 2, 4)).astype(np.float32)
+    for mask, same_as in [(M.SlidingWindowCausalMask(size), M.CausalMask()),
+                          (M.ChunkedCausalMask(size), M.CausalMask()),
+                          (M.ChunkedMask(size), M.NullMask())]:
+        assert np.array_equal(mask.visible(np.arange(9)[:, None], np.arange(9)),
+                              same_as.visible(np.arange(9)[:, None], np.arange(9)))
+        expected = numattn.reference.flash_attention_kv_cache(q, k, v, same_as)
+        got = numattn.flash_attention_kv_cache(q, k, v, mask)
+        assert np.allclose(got, expected, atol=1e-5), mask
+        expected = numattn.reference.decode_attention(q[:, 0], k, v, same_as)
+        got = numattn.decode_attention(q[:, 0], k, v, mask)
+        assert np.allclose(got, expected, atol=1e-5), mask
+
+
 def test_materialized_mask_rules():
     t = np.zeros((3, 4), np.float32)
     program, additive = M.compile_mask(M.MaterializedMask(t) & M.CausalMask())
