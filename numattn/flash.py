@@ -158,6 +158,9 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
             raise ValueError("kv_input_row_offsets needs ragged queries: pass "
                              "q_input_row_offsets with q of shape [T, H, D]")
         batch, s_len, num_heads, head_dim = shape_of(q)
+        if not isinstance(k, KVCache):
+            check_array("k", k)
+            check_array("v", v)
         if not isinstance(k, KVCache) and len(shape_of(k)) != 4:
             raise ValueError(f"with padded q, k and v must be [B, N, Hkv, D] arrays or caches, "
                              f"got k of shape {list(shape_of(k))}")

@@ -8,7 +8,7 @@ import numpy as np
 
 from ._jit import body, cpu_jit, prange
 from ._softmax import merge_weight
-from ._validate import check_float_dtype, dtype_of, shape_of
+from ._validate import check_array, check_float_dtype, dtype_of, shape_of
 
 __all__ = ["merge_states"]
 
@@ -106,6 +106,9 @@ def merge_states(outs, lses):
         raise ValueError("merge_states needs at least one part, got none")
     if len(outs) != len(lses):
         raise ValueError(f"got {len(outs)} outputs but {len(lses)} lses")
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        check_array(f"outs[{i}]", o)
+        check_array(f"lses[{i}]", x)
     dtype = check_float_dtype("outs[0]", outs[0])
     out_shape = shape_of(outs[0])
     if len(out_shape) < 1:

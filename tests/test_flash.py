@@ -472,6 +472,8 @@ def _ragged():
         ("q_int", TypeError, "q"),
         ("q_ndim", ValueError, "q"),
         ("k_dtype", TypeError, "k"),
+        ("k_none", TypeError, "k must be an array"),
+        ("v_list", TypeError, "v must be an array"),
         ("kv_shapes", ValueError, "same shape"),
         ("heads", ValueError, "multiple"),
         ("head_dim", ValueError, "head dim"),
@@ -513,6 +515,10 @@ def test_validation(case, error, match):
         q = q[0, 0]
     elif case == "k_dtype":
         k, v = k.astype(np.float64), v.astype(np.float64)
+    elif case == "k_none":
+        k = None
+    elif case == "v_list":
+        v = v.tolist()
     elif case == "kv_shapes":
         v = v[:, :4]
     elif case == "heads":

@@ -50,3 +50,7 @@ def test_merge_states_errors():
         numattn.merge_states([o, o], [x, np.zeros(3, np.float32)])
     with pytest.raises(TypeError, match="float32 or float64"):
         numattn.merge_states([o.astype(int)], [x.astype(int)])
+    with pytest.raises(TypeError, match=r"outs\[1\] must be an array"):
+        numattn.merge_states([o, 2], [x, x])
+    with pytest.raises(TypeError, match=r"lses\[0\] must be an array"):
+        numattn.merge_states([o], [[0.0, 0.0]])
