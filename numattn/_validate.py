@@ -120,18 +120,24 @@ def check_row_offsets(name, offsets, total, total_name, *, batch=None):
     return offsets
 
 
-def check_scale(scale, head_dim):
-    """``None`` means ``1 / sqrt(D)``; otherwise a finite real number."""
+def check_scale(scale, head_dim, dtype=np.float64):
+    """``None`` means ``1 / sqrt(D)``; otherwise a real number, finite in ``dtype`` (the
+    kernels scale in the queries' dtype)."""
     if scale is None:
         return 1.0 / float(np.sqrt(head_dim)) if head_dim > 0 else 1.0
     if isinstance(scale, np.ndarray) and scale.ndim == 0 and scale.dtype.kind in "iuf":
         scale = scale.item()  # a 0-d array holding a number
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    scale = float(scale)
-    if not np.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return scale
+    try:
+        value = float(scale)
+    except OverflowError:  # an int past the float64 range
+        raise ValueError("scale must be finite, got an integer past the float64 range") from None
+    if not np.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    if abs(value) > float(np.finfo(dtype).max):
+        raise ValueError(f"scale {value} overflows {np.dtype(dtype)}, the queries' dtype")
+    return value
 
 
 def check_sink_weights(sink_weights, num_heads, dtype):

@@ -164,7 +164,7 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
     q_lens = np.diff(q_offsets)
     longest_query = int(q_lens.max(initial=0))
     q_max_seq_len = _check_q_max_seq_len(q_max_seq_len, longest_query)
-    scale = check_scale(scale, head_dim)
+    scale = check_scale(scale, head_dim, dtype)
     layout = _resolve_kv(k, v, kv_input_row_offsets, q_offsets, batch, dtype, device)
     if layout.head_dim != head_dim:
         raise ValueError(

@@ -193,7 +193,7 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
             f"k and v must have head dimension D = {head_dim} (from q), got {layout.head_dim}"
         )
     check_heads(num_heads, layout.num_kv_heads)
-    scale = check_scale(scale, head_dim)
+    scale = check_scale(scale, head_dim, dtype)
     sinks = check_sink_weights(sink_weights, num_heads, dtype)
     program, tensor = compile_mask(mask)
     max_keys = int(layout.num_keys.max()) if batch else 0

@@ -198,7 +198,7 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         raise ValueError(f"k and v must have head dim D = {head_dim} (q's), got "
                          f"{layout.head_dim}")
     check_heads(num_heads, layout.num_kv_heads)
-    scale = check_scale(scale, head_dim)
+    scale = check_scale(scale, head_dim, dtype)
     sinks = check_sink_weights(sink_weights, num_heads, dtype)
     program, additive = compile_mask(mask)
     if additive is not None and not isinstance(additive, np.ndarray):

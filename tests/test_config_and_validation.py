@@ -58,6 +58,11 @@ def test_scale_sinks_heads_out():
         V.check_scale(np.inf, 4)
     with pytest.raises(TypeError, match="scale"):
         V.check_scale("1", 4)
+    with pytest.raises(ValueError, match="past the float64 range"):
+        V.check_scale(2**2000, 4)
+    assert V.check_scale(1e300, 4, np.float64) == 1e300
+    with pytest.raises(ValueError, match="overflows float32"):
+        V.check_scale(-1e300, 4, np.float32)
     assert V.check_scale(np.array(0.5), 4) == 0.5  # a 0-d array
     with pytest.raises(TypeError, match="scale"):
         V.check_scale([0.5], 4)

@@ -357,6 +357,7 @@ def test_errors_write_nothing(rng):
         (TypeError, "sink_weights", dict(sink_weights=np.zeros(4, np.int32))),
         (ValueError, "sink_weights", dict(sink_weights=np.zeros(3, np.float32))),
         (TypeError, "scale", dict(scale="big")),
+        (ValueError, "scale 1e\\+300 overflows float32", dict(scale=1e300)),
         (TypeError, "config", dict(config={"block_k": 4})),
         (TypeError, "return_lse", dict(return_lse="yes")),
         (ValueError, "additive mask must cover", dict(mask=np.zeros((1, 3), np.float32))),
