@@ -48,13 +48,16 @@ def finish_row(m, l, sink, has_sink):
 
     With a sink logit ``sigma`` the denominator gains ``e^(sigma - M)`` with
     ``M = max(m, sigma)``, exactly once.  A row with no visible key gives ``out_scale = 0``
-    and ``lse = -inf`` (``sigma`` with a sink; a ``-inf`` sink is no sink), never NaN.
+    and ``lse = -inf``, or ``sigma`` with a sink, whatever it holds (even NaN or inf: the
+    output of such a row is 0, never NaN).
 
     Returns
     -------
     out_scale, lse : float
     """
-    if has_sink and not (m == -math.inf and sink == -math.inf):
+    if m == -math.inf and l == 0:  # no visible key: nothing to divide, whatever the sink
+        return 0.0, (sink if has_sink else m)
+    if has_sink:
         big = max(m, sink)
         w = exp_diff(m, big)
         denom = l * w + math.exp(sink - big)

@@ -81,11 +81,11 @@ def _attend(q, keys, values, q_pos, rows, b, mask, scale, sink_weights):
                 sel = seen[i]
                 s = scores[i, sel]
                 sink = None if sink_weights is None else float(sink_weights[head])
-                if s.size == 0 and sink is None:
+                if s.size == 0 or s.max() == -np.inf:  # nothing visible: 0, lse the sink
+                    if sink is not None:
+                        lse[i, head] = sink
                     continue
-                m = max(s.max() if s.size else -np.inf, -np.inf if sink is None else sink)
-                if m == -np.inf:
-                    continue  # nothing visible and a -inf sink: 0 and -inf
+                m = max(s.max(), -np.inf if sink is None else sink)
                 p = np.exp(s - m)
                 denom = p.sum() + (0.0 if sink is None else np.exp(sink - m))
                 out[i, head] = (p @ values[sel, kv, :]) / denom

@@ -403,10 +403,18 @@ def test_cuda_request_without_a_gpu_says_so(rng):
         decode_attention(q, k, k, device="cuda")
 
 
-def test_minus_inf_sink_on_a_fully_masked_row_is_no_sink(rng):
-    q = rng.standard_normal((1, 2, 4)).astype(np.float32)
+def test_a_fully_masked_row_gives_0_and_its_sink_logit_whatever_it_holds(rng):
+    """No visible key: output 0 (never NaN) and lse = the sink logit, even -inf, NaN or
+    inf (a -inf sink is no sink)."""
+    q = rng.standard_normal((1, 4, 4)).astype(np.float32)
     kv = rng.standard_normal((1, 3, 2, 4)).astype(np.float32)
     hidden = np.full((1, 1, 3), -np.inf, np.float32)
-    sinks = np.array([-np.inf, 0.5], np.float32)
-    out, lse = decode_attention(q, kv, kv, hidden, sink_weights=sinks, return_lse=True)
-    assert np.all(out == 0) and lse[0, 0] == -np.inf and lse[0, 1] == 0.5
+    sinks = np.array([-np.inf, 0.5, np.nan, np.inf], np.float32)
+    for parts in (1, 2):
+        out, lse = decode_attention(q, kv, kv, hidden, sink_weights=sinks, return_lse=True,
+                                    num_partitions=parts, config=SMALL)
+        assert np.all(out == 0)
+        assert np.array_equal(lse[0], sinks, equal_nan=True)
+    ref, ref_lse = numattn.reference.decode_attention(q, kv, kv, hidden, sink_weights=sinks,
+                                                      return_lse=True)
+    assert np.all(ref == 0) and np.array_equal(ref_lse[0], sinks, equal_nan=True)

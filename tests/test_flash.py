@@ -609,14 +609,17 @@ def test_visible_span_matches_mask_visible():
                     assert OP_OR in program[:, 0]
 
 
-def test_minus_inf_sink_on_a_fully_masked_row_is_no_sink(rng):
-    q = rng.standard_normal((1, 3, 2, 4)).astype(np.float32)
+def test_a_fully_masked_row_gives_0_and_its_sink_logit_whatever_it_holds(rng):
+    """No visible key: output 0 (never NaN) and lse = the sink logit, even -inf, NaN or
+    inf (a -inf sink is no sink); rows with visible keys and such a sink follow the formula
+    (NaN and inf propagate)."""
+    q = rng.standard_normal((1, 3, 4, 4)).astype(np.float32)
     kv = rng.standard_normal((1, 3, 2, 4)).astype(np.float32)
     bias = np.zeros((3, 3), np.float32)
     bias[1] = -np.inf
-    sinks = np.array([-np.inf, 0.5], np.float32)
+    sinks = np.array([-np.inf, 0.5, np.nan, np.inf], np.float32)
     out, lse = flash_attention_kv_cache(q, kv, kv, bias, sink_weights=sinks, return_lse=True)
-    assert np.all(out[0, 1] == 0) and lse[0, 1, 0] == -np.inf and lse[0, 1, 1] == 0.5
+    assert np.all(out[0, 1] == 0) and np.array_equal(lse[0, 1], sinks, equal_nan=True)
     ref, ref_lse = reference.flash_attention_kv_cache(q, kv, kv, bias, sink_weights=sinks,
                                                       return_lse=True)
     assert_close(out, ref, np.float32)
