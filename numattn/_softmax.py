@@ -28,6 +28,13 @@ def exp_diff(a, b):
 
 
 @body
+def max_nan(a, b):
+    """The larger of ``a`` and ``b``, NaN if either is NaN (``max`` keeps whichever argument
+    compares larger, and CUDA's ``fmax`` drops a NaN: either could hide a NaN score)."""
+    return a if (a > b or a != a) else b
+
+
+@body
 def online_update(m, l, s):
     """Add one score ``s`` to the state ``(m, l)``.
 
@@ -36,7 +43,7 @@ def online_update(m, l, s):
     is, but callers skip hidden keys altogether: ``0 * v`` would let a NaN stored in a hidden
     slot reach the output.  A NaN score propagates into ``l``.
     """
-    m_new = max(m, s)
+    m_new = max_nan(m, s)
     alpha = exp_diff(m, m_new)
     p = exp_diff(s, m_new)
     return m_new, l * alpha + p, alpha, p
@@ -58,7 +65,7 @@ def finish_row(m, l, sink, has_sink):
     if m == -math.inf and l == 0:  # no visible key: nothing to divide, whatever the sink
         return 0.0, (sink if has_sink else m)
     if has_sink:
-        big = max(m, sink)
+        big = max_nan(m, sink)
         w = exp_diff(m, big)
         denom = l * w + math.exp(sink - big)
         return w / denom, big + math.log(denom)

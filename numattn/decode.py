@@ -45,7 +45,7 @@ from ._simd import (
     values_block_2,
     values_block_4,
 )
-from ._softmax import exp_diff, finish_row, merge_weight
+from ._softmax import exp_diff, finish_row, max_nan, merge_weight
 from ._validate import (
     check_array,
     check_float_dtype,
@@ -422,7 +422,7 @@ def rescale_state(m, l, tile_max):
     new key then weighs ``exp_diff(s, m_new)``.  A tile with no visible key leaves the
     state unchanged (``alpha`` is 1 unless ``m`` was ``-inf``, when ``l`` and ``acc`` are 0).
     """
-    m_new = max(m, tile_max)
+    m_new = max_nan(m, tile_max)
     alpha = exp_diff(m, m_new)
     return m_new, l * alpha, alpha
 
@@ -433,9 +433,10 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
     ``d = d0, d0 + d_step, ...`` and ``lse[b, h]`` (written when ``d0 == 0``).
 
     ``M = max_p m_p``, ``w_p = e^(m_p - M)``, ``L = sum w_p l_p``, ``acc = sum w_p acc_p``;
-    empty partitions (``m_p = -inf``) are skipped, and the sink enters once, in
-    :func:`finish_row`.  (A partition whose weight underflows to 0 still adds
-    ``0 * acc_p``, so NaN from a visible row propagates.)
+    the sink enters once, in :func:`finish_row`.  A partition with ``m_p = -inf`` weighs
+    exactly 0: its ``acc_p`` is 0 when it saw no visible key, and ``0 * acc_p`` still
+    carries NaN from a visible row of weight 0 (as does a partition whose weight
+    underflows), so the result does not depend on how the keys were split.
     """
     num_parts = part_m.shape[1]
     big = part_m[b, 0, h]
@@ -452,10 +453,9 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
     for d in range(d0, head_dim, d_step):
         out[b, h, d] = 0
     for p in range(num_parts):  # one weight per partition, then its whole row
-        if part_m[b, p, h] != -math.inf:
-            w = merge_weight(part_m[b, p, h], big)
-            for d in range(d0, head_dim, d_step):
-                out[b, h, d] += w * part_acc[b, p, h, d]
+        w = merge_weight(part_m[b, p, h], big)
+        for d in range(d0, head_dim, d_step):
+            out[b, h, d] += w * part_acc[b, p, h, d]
     for d in range(d0, head_dim, d_step):
         out[b, h, d] *= out_scale
     if d0 == 0:
@@ -761,7 +761,7 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
             for g in range(gn):
                 best = -math.inf
                 for i in range(tid, n, threads):
-                    best = max(best, shared[g * tile + i])
+                    best = max_nan(best, shared[g * tile + i])
                 shared[red + g * threads + tid] = best
             cuda.syncthreads()
             stride = threads // 2
@@ -770,7 +770,7 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
                     for g in range(gn):
                         a = shared[red + g * threads + tid]
                         other = shared[red + g * threads + tid + stride]
-                        shared[red + g * threads + tid] = max(a, other)
+                        shared[red + g * threads + tid] = max_nan(a, other)
                 cuda.syncthreads()
                 stride //= 2
             if tid < gn:

@@ -339,14 +339,16 @@ def _softmax_tile_f32(scores, m_run, l_run, alpha, bits):
     For each row: ``m_new = max(m_run, max_j s_j)``, ``p_j = e^(s_j - m_new)``,
     ``alpha = e^(m_run - m_new)`` and ``l_run = alpha l_run + sum_j p_j``.  The row maximum
     is taken on order-preserving integer images of the floats (an integer max vectorises
-    where a float one, which must respect NaN, does not), and ``e^x`` is Cephes' ``expf``:
-    ``x = n ln2 + r``, a degree-6 polynomial for ``e^r`` and ``2^n`` made from exponent bits
-    in ``bits`` (an int32 scratch at least as long as a row).  ``e^x`` is exactly 0 below
-    the float32 range (so for ``-inf``) and NaN propagates.
+    where a float one, which must respect NaN, does not; a NaN maps above ``+inf`` whatever
+    its sign bit: ``inf - inf`` gives a NaN with the sign bit set on x86), and ``e^x`` is
+    Cephes' ``expf``: ``x = n ln2 + r``, a degree-6 polynomial for ``e^r`` and ``2^n`` made
+    from exponent bits in ``bits`` (an int32 scratch at least as long as a row).  ``e^x`` is
+    exactly 0 below the float32 range (so for ``-inf``) and NaN propagates.
     """
     kw = scores.shape[1]
     pow2 = bits.view(np.float32)
     flip = np.int32(0x7FFFFFFF)
+    inf_bits = np.int32(0x7F800000)
     lo = np.float32(-87.33654)
     log2e = np.float32(1.44269504088896341)
     c1 = np.float32(0.693359375)
@@ -365,6 +367,8 @@ def _softmax_tile_f32(scores, m_run, l_run, alpha, bits):
         top = np.int32(-2147483648)
         for j in range(kw):
             v = row_bits[j]
+            size = v & flip
+            v = size if size > inf_bits else v  # a NaN is the largest, whatever its sign bit
             v = v ^ ((v >> np.int32(31)) & flip)
             top = max(top, v)
         bits[0] = top ^ ((top >> np.int32(31)) & flip)
@@ -405,6 +409,7 @@ def _softmax_tile_f64(scores, m_run, l_run, alpha, bits):
     kw = scores.shape[1]
     pow2 = bits.view(np.float64)
     flip = np.int64(0x7FFFFFFFFFFFFFFF)
+    inf_bits = np.int64(0x7FF0000000000000)
     lo = -708.0
     log2e = 1.4426950408889634074
     c1 = 6.93145751953125e-1
@@ -422,6 +427,8 @@ def _softmax_tile_f64(scores, m_run, l_run, alpha, bits):
         top = np.int64(-9223372036854775808)
         for j in range(kw):
             v = row_bits[j]
+            size = v & flip
+            v = size if size > inf_bits else v  # a NaN is the largest, whatever its sign bit
             v = v ^ ((v >> np.int64(63)) & flip)
             top = max(top, v)
         bits[0] = top ^ ((top >> np.int64(63)) & flip)

@@ -81,11 +81,14 @@ def _attend(q, keys, values, q_pos, rows, b, mask, scale, sink_weights):
                 sel = seen[i]
                 s = scores[i, sel]
                 sink = None if sink_weights is None else float(sink_weights[head])
-                if s.size == 0 or s.max() == -np.inf:  # nothing visible: 0, lse the sink
+                if s.size == 0 or s.max() == -np.inf:
+                    # Nothing visible, or only keys of weight 0: the output is 0 (0 * V,
+                    # so NaN in a visible V row still propagates), lse the sink logit.
+                    out[i, head] = 0.0 * (np.zeros(s.size) @ values[sel, kv, :])
                     if sink is not None:
                         lse[i, head] = sink
                     continue
-                m = max(s.max(), -np.inf if sink is None else sink)
+                m = np.max(np.append(s, -np.inf if sink is None else sink))  # NaN propagates
                 p = np.exp(s - m)
                 denom = p.sum() + (0.0 if sink is None else np.exp(sink - m))
                 out[i, head] = (p @ values[sel, kv, :]) / denom
@@ -299,16 +302,17 @@ def merge_states(outs, lses):
     ([[0.5, 0.5]], [0.6931])
     """
     outs = [np.asarray(o, dtype=np.float64) for o in outs]
-    lses = [np.asarray(x, dtype=np.float64) for x in lses]
-    lse_all = np.stack(lses)
-    m = lse_all.max(axis=0)
-    safe_m = np.where(np.isfinite(m), m, 0.0)
-    w = np.exp(lse_all - safe_m)  # -inf parts weigh exactly 0
-    total = w.sum(axis=0)
-    out = np.zeros(outs[0].shape)
-    for wi, oi in zip(w, outs):
-        out = out + np.where(wi[..., None] > 0, wi[..., None] * oi, 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(total[..., None] > 0, out / total[..., None], 0.0)
-        lse = np.where(total > 0, safe_m + np.log(total), -np.inf)
+    lse_all = np.stack([np.asarray(x, dtype=np.float64) for x in lses])
+    m = lse_all.max(axis=0)  # NaN propagates
+    empty = m == -np.inf  # every part empty: 0 and -inf
+    skip = lse_all == -np.inf  # empty parts weigh exactly 0 and are not read
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        w = np.where(skip, 0.0, np.exp(lse_all - np.where(empty, 0.0, m)))
+        total = w.sum(axis=0)
+        out = np.zeros(outs[0].shape)
+        for wi, oi, si in zip(w, outs, skip):
+            # a weight that underflowed to 0 still counts: 0 * NaN propagates
+            out = out + np.where(si[..., None], 0.0, wi[..., None] * oi)
+        out = np.where(empty[..., None], 0.0, out / total[..., None])
+        lse = np.where(empty, -np.inf, m + np.log(total))
     return out, lse

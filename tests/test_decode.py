@@ -345,6 +345,23 @@ def test_out_may_be_q_k_or_v_but_not_the_sinks(rng):
     assert not out.any()
 
 
+def test_a_partition_of_zero_weights_still_carries_nan(rng):
+    """Keys 4..7 are visible but score -inf (K holds +inf, q is negative there), and V of
+    key 6 holds inf: its weight 0 times inf is NaN, whether or not split-K gives those keys
+    a partition of their own (whose state then has m = -inf)."""
+    q = randn(rng, (1, 2, 4), np.float32)
+    q[:, :, 0] = -1.0
+    k = randn(rng, (1, 8, 1, 4), np.float32)
+    v = randn(rng, (1, 8, 1, 4), np.float32)
+    k[0, 4:, 0, 0] = np.inf
+    v[0, 6, 0, 2] = np.inf
+    ref = numattn.reference.decode_attention(q, k, v)
+    assert np.isnan(ref[..., 2]).all() and np.isfinite(ref[..., [0, 1, 3]]).all()
+    for parts in (1, 2):
+        out = decode_attention(q, k, v, num_partitions=parts, config=MHAConfig(block_k=4))
+        assert_close(out, ref, np.float32, what=f"{parts} partitions")
+
+
 def test_errors_write_nothing(rng):
     k, v = make_kv(rng, "paged", [3, 4], [1, 1], 2, 8, np.float32, page_size=4)
     q = randn(rng, (2, 4, 8), np.float32)

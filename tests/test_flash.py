@@ -272,6 +272,24 @@ def test_nan_in_visible_value_propagates(rng):
         assert np.all(np.isfinite(out[..., [0, 2, 3]]))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nan_scores_of_either_sign_propagate(rng, dtype):
+    """``inf - inf`` in a dot product gives a NaN with the sign bit set on x86: the tile
+    maximum (taken on integer images of the scores) once ranked it below -inf, so a row
+    whose only visible scores were such NaNs came out as a row with no visible key."""
+    q = randn(rng, (1, 3, 2, 4), dtype)
+    k = randn(rng, (1, 3, 1, 4), dtype)
+    v = randn(rng, (1, 3, 1, 4), dtype)
+    q[0, 0, 0, :2] = np.inf, -np.inf  # query 0 (sees key 0 only): its one score is NaN
+    k[0, 0, 0, :2] = 1.0
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(q[0, 0, 0] @ k[0, 0, 0])
+    for sinks in (None, np.array([0.5, -1.0], dtype)):
+        out, lse = _check(rng, q, k, v, CausalMask(), dtype, sinks=sinks)
+        assert np.isnan(out[0, 0, 0]).all() and np.isnan(lse[0, 0, 0])
+        assert np.isfinite(out[0, 0, 1]).all() and np.isfinite(out[0, 1:]).all()
+
+
 @pytest.mark.parametrize("form", ["materialized", "plain", "and_causal"])
 def test_additive_minus_inf_hides_nan_and_inf_keys(rng, form):
     """-inf in an additive mask hides a key even when its K row holds NaN or inf (the score

@@ -37,6 +37,19 @@ def test_nan_in_a_part_whose_weight_underflows_propagates():
     assert np.isnan(out[0, 0]) and out[0, 1] == 1 and lse[0] == 0
 
 
+def test_nan_and_inf_lse_agree_with_the_reference():
+    """A NaN lse makes its rows NaN, and so does +inf (its weight is e^(inf - inf)): the
+    kernel and the reference agree; an empty (-inf) part is never read."""
+    outs = [np.ones((3, 2)), np.full((3, 2), 2.0), np.full((3, 2), np.nan)]
+    lses = [np.array([0.0, np.nan, np.inf]), np.zeros(3), np.full(3, -np.inf)]
+    out, lse = numattn.merge_states(outs, lses)
+    ref_out, ref_lse = numattn.reference.merge_states(outs, lses)
+    assert np.array_equal(out[0], [1.5, 1.5]) and np.isnan(out[1:]).all()
+    assert np.isnan(lse[1:]).all()
+    assert_close(out, ref_out, np.float64)
+    assert_close(lse, ref_lse, np.float64, what="lse")
+
+
 def test_merge_states_errors():
     o = np.zeros((2, 3), np.float32)
     x = np.zeros(2, np.float32)
