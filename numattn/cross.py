@@ -364,6 +364,18 @@ def _cross_cuda(q, q_offsets, layout, program, additive, has_additive, scale, gr
 # CUDA kernel (bound with ``cuda_kernel``; plain Python so the simulator can run it).
 # --------------------------------------------------------------------------------------
 @body
+def _visible_key(program, status, additive, has_additive, mask_b, mask_h, r, key, k_last):
+    """True when key ``key`` (of a tile ending at ``k_last``) is visible from query row
+    ``r``: inside the tile, shown by the mask program and not hidden by the additive
+    tensor (head ``mask_h`` of its sequence ``mask_b``)."""
+    if key > k_last:
+        return False
+    if status != TILE_NONE and not mask_visible(program, r, key):
+        return False
+    return not has_additive or additive[mask_b, mask_h, r, key] != -math.inf
+
+
+@body
 def _row_head_of(i, heads_per_block, token0, h0):
     """(query token, query head) of row-head ``i`` of a block: its rows are the block's
     query tokens, each with ``heads_per_block`` consecutive heads from ``h0``."""
@@ -459,11 +471,16 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
             rescale[i] = exp_diff(m_old, m_new)
             row_max[i] = m_new
         cuda.syncthreads()
-        # 3. Probabilities (hidden keys stay -inf).
+        # 3. Probabilities; hidden keys stay -inf.  A visible key whose score is -inf (inf
+        # in q or K) gets weight 0: 0 * V still counts, so NaN in its V row propagates.
         for idx in range(tid, width * block_k, num_threads):
             s = scores[idx]
-            if s != -math.inf:
-                scores[idx] = exp_diff(s, row_max[idx // block_k])
+            i = idx // block_k
+            mask_h = h0 + i % heads_per_block if per_head_mask else 0
+            if s != -math.inf or _visible_key(program, status, additive, has_additive, mask_b,
+                                              mask_h, r0 + i // heads_per_block,
+                                              k0 + idx % block_k, k_last):
+                scores[idx] = exp_diff(s, row_max[i])
         cuda.syncthreads()
         # 4. Running sums, and P @ V with threads over row-heads x head dim.
         for i in range(tid, width, num_threads):

@@ -199,3 +199,22 @@ def test_kernel_compiles_to_ptx(dtype, ptx_compiler):
     assert "bar.sync" in ptx
     if dtype == "float32":  # the tile loops stay in float32 (only the row's 1/l is float64)
         assert ptx.count(".f64") < 40
+
+
+@requires_cuda
+def test_cuda_visible_key_of_score_minus_inf_still_adds_0_times_v():
+    """inf in q makes a visible key's score -inf: its weight is 0, and 0 * V still counts
+    (NaN or inf in its V row propagates), as on the CPU; hidden keys are never read."""
+    q = np.ones((3, 2, 4), np.float32)
+    q[0, :, 0] = -np.inf  # token 0 sees key 0 only (causal): a score of -inf
+    k = np.ones((4, 1, 4), np.float32)
+    v = np.ones((4, 1, 4), np.float32)
+    v[0, 0, 1] = np.nan  # key 0: visible to every token
+    v[3, 0, 2] = np.inf  # key 3: hidden from every token (causal, q_idx = r < 3)
+    offsets = np.array([0, 3])
+    kv_offsets = np.array([0, 4])
+    args = (q, offsets, 3, k, v, kv_offsets, CausalMask())
+    cpu = cross_attention(*args)
+    gpu = cross_attention(*args, device="cuda", config=SIM)
+    assert np.isnan(cpu[:, :, 1]).all() and np.isfinite(cpu[:, :, [0, 2, 3]]).all()
+    assert_close(gpu, cpu, np.float32)
