@@ -161,9 +161,9 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         if not isinstance(k, KVCache):
             check_array("k", k)
             check_array("v", v)
-        if not isinstance(k, KVCache) and len(shape_of(k)) != 4:
-            raise ValueError(f"with padded q, k and v must be [B, N, Hkv, D] arrays or caches, "
-                             f"got k of shape {list(shape_of(k))}")
+            if len(shape_of(k)) != 4:
+                raise ValueError(f"with padded q, k and v must be [B, N, Hkv, D] arrays or "
+                                 f"caches, got k of shape {list(shape_of(k))}")
         q_offsets = np.arange(batch + 1, dtype=np.int64) * s_len
         q_lens = np.full(batch, s_len, dtype=np.int64)
         layout = resolve_kv(k, v, batch=batch, dtype=dtype, kv_lens=q_lens)
