@@ -446,8 +446,7 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
             big = x
     total = 0.0
     for p in range(num_parts):
-        if part_m[b, p, h] != -math.inf:
-            total += merge_weight(part_m[b, p, h], big) * part_l[b, p, h]
+        total += merge_weight(part_m[b, p, h], big) * part_l[b, p, h]
     out_scale, row_lse = finish_row(big, total, sinks[h], has_sink)
     head_dim = part_acc.shape[3]
     for d in range(d0, head_dim, d_step):
