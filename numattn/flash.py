@@ -29,6 +29,7 @@ when the row is finished.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -245,35 +246,82 @@ def _blas_single_thread():
 
 def _work_items(q_offsets, q_start_pos, num_keys, num_kv_heads, program, block_q, block_k,
                 num_threads):
-    """Work items ``(sequence, KV head, first row)`` and their split among the threads.
+    """Work items ``(sequence, KV head, first row)``, their split among the threads, and
+    the work they hold.
 
     Each query tile is costed (rows x keys of its key tiles that the mask does not hide
     entirely), and the items, most expensive first, are dealt to the threads in a zigzag
     (0, 1, .., T-1, T-1, .., 0, 0, ..), which balances them.  Thread ``t`` runs items
     ``starts[t]:starts[t + 1]``.  The split only decides which thread computes an item, never
-    how, so results do not depend on the number of threads.
+    how, so results do not depend on the number of threads.  Returns ``item_seq, item_head,
+    item_row0, item_width, starts`` and the total cost (query rows x keys, summed over the
+    KV heads).
     """
-    q_lens = np.diff(q_offsets)
-    tiles = -(-q_lens // block_q)
-    # Equal tiles per sequence (a multiple of 16 rows), not block_q and a short remainder.
-    size = np.minimum(-((-q_lens // np.maximum(tiles, 1)) // 16) * 16, block_q)
-    seq = np.repeat(np.arange(q_lens.shape[0], dtype=np.int64), tiles)
-    first = np.arange(seq.shape[0], dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)
-    row0 = first * size[seq]
-    width = np.minimum(size[seq], q_lens[seq] - row0)
-    cost = np.empty(seq.shape[0], dtype=np.int64)
-    cpu_jit(_tile_costs)(q_start_pos, num_keys, seq, row0, width, program, block_k, cost)
-    item_seq = np.repeat(seq, num_kv_heads)
-    item_row0 = np.repeat(row0, num_kv_heads)
-    item_width = np.repeat(width, num_kv_heads)
-    item_head = np.tile(np.arange(num_kv_heads, dtype=np.int64), seq.shape[0])
-    order = np.argsort(-np.repeat(cost, num_kv_heads), kind="stable")
-    rank = np.arange(order.shape[0])
-    lane = rank % num_threads
-    thread = np.where((rank // num_threads) % 2 == 0, lane, num_threads - 1 - lane)
-    order = order[np.argsort(thread, kind="stable")]
-    starts = np.searchsorted(np.sort(thread), np.arange(num_threads + 1)).astype(np.int64)
-    return item_seq[order], item_head[order], item_row0[order], item_width[order], starts
+    return cpu_jit(_work_items_cpu)(q_offsets, q_start_pos, num_keys, num_kv_heads, program,
+                                    block_q, block_k, num_threads)
+
+
+def _work_items_cpu(q_offsets, q_start_pos, num_keys, num_kv_heads, program, block_q, block_k,
+                    num_threads):
+    """:func:`_work_items`, compiled (a call costs a few microseconds, not the ~40 of the
+    NumPy steps it replaces on small problems)."""
+    batch = q_offsets.shape[0] - 1
+    tiles = np.empty(batch, dtype=np.int64)
+    size = np.empty(batch, dtype=np.int64)
+    num_tiles = 0
+    for b in range(batch):
+        q_len = q_offsets[b + 1] - q_offsets[b]
+        tiles[b] = -(-q_len // block_q)
+        # equal tiles per sequence (a multiple of 16 rows), not block_q and a short remainder
+        per_tile = -(-q_len // max(tiles[b], 1))
+        size[b] = min(-(-per_tile // 16) * 16, block_q)
+        num_tiles += tiles[b]
+    seq = np.empty(num_tiles, dtype=np.int64)
+    row0 = np.empty(num_tiles, dtype=np.int64)
+    width = np.empty(num_tiles, dtype=np.int64)
+    i = 0
+    for b in range(batch):
+        q_len = q_offsets[b + 1] - q_offsets[b]
+        for t in range(tiles[b]):
+            seq[i] = b
+            row0[i] = t * size[b]
+            width[i] = min(size[b], q_len - row0[i])
+            i += 1
+    cost = np.empty(num_tiles, dtype=np.int64)
+    _tile_costs(q_start_pos, num_keys, seq, row0, width, program, block_k, cost)
+    # item i: query tile i // num_kv_heads, KV head i % num_kv_heads; most expensive first
+    num_items = num_tiles * num_kv_heads
+    neg_cost = np.empty(num_items, dtype=np.int64)
+    total_cost = 0
+    for i in range(num_items):
+        neg_cost[i] = -cost[i // num_kv_heads]
+        total_cost += cost[i // num_kv_heads]
+    by_cost = np.argsort(neg_cost, kind="mergesort")  # stable
+    # rank r goes to thread lane or T - 1 - lane, in turns (zigzag); each thread keeps its
+    # items in rank order
+    thread = np.empty(num_items, dtype=np.int64)
+    starts = np.zeros(num_threads + 1, dtype=np.int64)
+    for r in range(num_items):
+        lane = r % num_threads
+        thread[r] = lane if (r // num_threads) % 2 == 0 else num_threads - 1 - lane
+        starts[thread[r] + 1] += 1
+    for t in range(num_threads):
+        starts[t + 1] += starts[t]
+    fill = starts[:-1].copy()
+    item_seq = np.empty(num_items, dtype=np.int64)
+    item_head = np.empty(num_items, dtype=np.int64)
+    item_row0 = np.empty(num_items, dtype=np.int64)
+    item_width = np.empty(num_items, dtype=np.int64)
+    for r in range(num_items):
+        slot = fill[thread[r]]
+        fill[thread[r]] += 1
+        item = by_cost[r]
+        tile = item // num_kv_heads
+        item_seq[slot] = seq[tile]
+        item_head[slot] = item % num_kv_heads
+        item_row0[slot] = row0[tile]
+        item_width[slot] = width[tile]
+    return item_seq, item_head, item_row0, item_width, starts, total_cost
 
 
 def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_additive,
@@ -306,7 +354,7 @@ def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_addi
     group = num_heads // layout.num_kv_heads
     import numba
 
-    item_seq, item_head, item_row0, item_width, starts = _work_items(
+    item_seq, item_head, item_row0, item_width, starts, total_cost = _work_items(
         q_offsets, q_start_pos, layout.num_keys, layout.num_kv_heads, program, config.block_q,
         config.block_k, numba.get_num_threads(),
     )
@@ -314,8 +362,10 @@ def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_addi
     sinks = sink_weights if has_sink else np.zeros(1, dtype=dtype)
     want_lse = lse is not None
     lse_buf = lse if want_lse else np.empty((1, 1), dtype=dtype)
-    kernel = cpu_jit(_flash_kernel, parallel=True)
-    with _blas_single_thread():
+    # multiply-adds of the Q K^T and P V products
+    parallel = 2 * total_cost * group * q.shape[2] > SERIAL_MULTIPLY_ADDS
+    kernel = cpu_jit(_flash_kernel, parallel=parallel)
+    with _blas_single_thread() if parallel else contextlib.nullcontext():
         kernel(
             q, q_offsets, q_start_pos, item_seq, item_head, item_row0, item_width, starts,
             layout.k_blocks, layout.v_blocks, layout.page_size, layout.lookup_table,
@@ -328,6 +378,10 @@ def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_addi
 # --------------------------------------------------------------------------------------
 # Kernel (CPU only) and its helpers.
 # --------------------------------------------------------------------------------------
+#: Calls with up to this many multiply-adds run on the calling thread: waking the worker
+#: threads costs 30-100 us on a virtual machine (a few us elsewhere), more than it saves on
+#: such work.
+SERIAL_MULTIPLY_ADDS = 2**21
 _CHUNK = 16  # keys per mask sub-tile when a PARTIAL tile is resolved row by row
 _SUB_Q = 16  # query positions per sub-tile of a PARTIAL tile (each trimmed to its keys)
 
@@ -619,6 +673,7 @@ def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, bits, visible
             acc[i, d] = acc[i, d] * a + pv[i, d]
 
 
+@body
 def _tile_costs(q_start_pos, num_keys, seq, row0, widths, program, block_k, cost):
     """``cost[i]``: rows x keys of the key tiles that query tile ``i`` does not skip."""
     for i in range(seq.shape[0]):
@@ -640,8 +695,13 @@ def _flash_kernel(q, q_offsets, q_start_pos, item_seq, item_head, item_row0, ite
                   single, out, lse, want_lse):
     head_dim = q.shape[2]
     dtype = q.dtype
-    max_rows = group * block_q
+    widest = 0  # rows of the widest item (at most block_q): scratch for the stacked rows
+    for item in range(item_width.shape[0]):
+        widest = max(widest, item_width[item])
+    max_rows = group * min(widest, block_q)
     for thread in prange(starts.shape[0] - 1):
+        if starts[thread] == starts[thread + 1]:
+            continue
         # Scratch of one thread, reused by its items: the stacked query tile, accumulator,
         # P V product, running max / sum / rescale factors, one tile of scores, K and V.
         q_buf = np.empty(max_rows * head_dim, dtype=dtype)

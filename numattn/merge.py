@@ -12,6 +12,11 @@ from ._validate import check_array, check_float_dtype, dtype_of, shape_of
 
 __all__ = ["merge_states"]
 
+#: Merges of up to this many partial-output elements run on the calling thread: waking the
+#: worker threads costs 30-100 us on a virtual machine (a few us elsewhere), more than it
+#: saves on such work.
+SERIAL_ELEMENTS = 2**18
+
 
 @body
 def merge_row(part_out, part_lse, r, out, lse):
@@ -131,5 +136,6 @@ def merge_states(outs, lses):
     part_lse = np.ascontiguousarray(np.stack([np.asarray(x) for x in lses]).reshape(-1, rows))
     out = np.empty((rows, d), dtype=dtype)
     lse = np.empty(rows, dtype=dtype)
-    cpu_jit(_merge_states_kernel, parallel=True)(part_out, part_lse, out, lse)
+    parallel = part_out.size > SERIAL_ELEMENTS
+    cpu_jit(_merge_states_kernel, parallel=parallel)(part_out, part_lse, out, lse)
     return out.reshape(out_shape), lse.reshape(out_shape[:-1])

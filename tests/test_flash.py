@@ -456,6 +456,32 @@ def test_bitwise_deterministic_across_thread_counts():
     assert len(digests[0]) == len(hashlib.sha256().hexdigest())
 
 
+@pytest.mark.parametrize("mask", [CausalMask(), SlidingWindowCausalMask(9)], ids=repr)
+def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch, mask):
+    """Small calls run on the calling thread (waking the workers would cost more than the
+    work); the kernel and the split of the work are the same, and so are the results."""
+    from numattn import flash as flash_module
+
+    dtype = np.float32
+    cache_lengths, q_lens = [0, 40, 7], [9, 3, 70]
+    offsets = np.concatenate([[0], np.cumsum(q_lens)])
+    q = randn(rng, (offsets[-1], 8, 16), dtype)
+    k, v = make_kv(rng, "paged", cache_lengths, q_lens, 2, 16, dtype, page_size=8)
+    sinks = randn(rng, (8,), dtype)
+    results = []
+    for threshold in (0, 2**62):  # worker threads, then the calling thread
+        monkeypatch.setattr(flash_module, "SERIAL_MULTIPLY_ADDS", threshold)
+        results.append(flash_attention_kv_cache(q, k, v, mask, q_input_row_offsets=offsets,
+                                                sink_weights=sinks, return_lse=True,
+                                                config=MHAConfig(block_q=16, block_k=8)))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    want, want_lse = reference.flash_attention_kv_cache(
+        q, k, v, mask, q_input_row_offsets=offsets, sink_weights=sinks, return_lse=True)
+    assert_close(results[1][0], want, dtype)
+    assert_close(results[1][1], want_lse, dtype, what="lse")
+
+
 def test_scale_default_and_explicit(rng):
     dtype = np.float32
     q = randn(rng, (1, 4, 2, 9), dtype)

@@ -29,6 +29,19 @@ def test_merge_states_matches_reference(dtype, rng):
     assert np.array_equal(stacked[0], out)
 
 
+def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch):
+    from numattn import merge as merge_module
+
+    outs = [rng.standard_normal((6, 5, 7)).astype(np.float32) for _ in range(3)]
+    lses = [rng.standard_normal((6, 5)).astype(np.float32) for _ in range(3)]
+    results = []
+    for threshold in (0, 2**62):  # worker threads, then the calling thread
+        monkeypatch.setattr(merge_module, "SERIAL_ELEMENTS", threshold)
+        results.append(numattn.merge_states(outs, lses))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
 def test_nan_in_a_part_whose_weight_underflows_propagates():
     """A part far below the others weighs exactly 0 but is not empty: its NaN still counts."""
     outs = [np.ones((1, 2)), np.array([[np.nan, 1.0]])]
