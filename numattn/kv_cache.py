@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._jit import body
+from ._jit import body, cpu_jit
 from ._validate import (
     check_array,
     check_float_dtype,
@@ -343,47 +343,75 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
         capacity = min(table.shape[1] * page_size, _INT64_MAX)
         limit = f"its lookup_table row holds {table.shape[1]} pages of {page_size}"
     # The constructor checked cache_lengths, but callers update it in place between steps.
-    # Compare with the room left (0 <= kv_lens, capacity <= int64 max) instead of adding:
-    # cache_lengths near the int64 limit must not wrap.
     kv_lens = np.zeros(batch, np.int64) if kv_lens is None else kv_lens
-    over = (lengths < 0) | (lengths > capacity) | (kv_lens > capacity - lengths)
-    if over.any():
-        b = int(np.argmax(over))
+    k_pages, v_pages, step = _paged_views(k.blocks, v.blocks)
+    if table.shape[0] != batch:  # fixed at construction; checked again before reading it
+        raise ValueError(f"{cls}.lookup_table has {table.shape[0]} rows for {batch} sequences")
+    error, b, j, num_keys, kernel_table = cpu_jit(_check_cache_tables)(
+        lengths, kv_lens, table if table.ndim == 2 else table.reshape(batch, 1), capacity, pages,
+        page_size, step,
+    )
+    if error == _NEGATIVE_LENGTH:
+        raise ValueError(f"{cls}.cache_lengths[{b}] must be >= 0, got {lengths[b]}")
+    if error == _OVER_CAPACITY:
         length, new = int(lengths[b]), int(kv_lens[b])
-        if length < 0:
-            raise ValueError(f"{cls}.cache_lengths[{b}] must be >= 0, got {length}")
         raise ValueError(
             f"sequence {b} needs {length + new} tokens ({cls}.cache_lengths[{b}] = {length} "
             f"plus {new} new rows) but {limit}"
         )
-    num_keys = lengths + kv_lens
-    if isinstance(k, ContinuousBatchingKVCache):
-        used = num_keys > 0
-        bad = used & ((table < 0) | (table >= pages))
-        if bad.any():
-            b = int(np.argmax(bad))
-            raise ValueError(
-                f"lookup_table[{b}] = {table[b]} is out of range [0, {pages}) for a sequence "
-                "with tokens"
-            )
-        table = np.where(used, table, 0).reshape(batch, 1)
-    else:
-        max_pages = table.shape[1]
-        needed = np.arange(max_pages) * page_size < num_keys[:, None]
-        bad = needed & ((table < 0) | (table >= pages))
-        if bad.any():
-            b, j = (int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(
-                f"lookup_table[{b}, {j}] = {table[b, j]} is out of range [0, {pages}) but "
-                f"sequence {b} uses that page"
-            )
-        # Spare entries may hold any sentinel; give the kernels a safe value there.
-        table = np.where(needed, table, 0)
-    k_pages, v_pages, step = _paged_views(k.blocks, v.blocks)
+    if error == _BAD_PAGE and isinstance(k, ContinuousBatchingKVCache):
+        raise ValueError(
+            f"lookup_table[{b}] = {table[b]} is out of range [0, {pages}) for a sequence "
+            "with tokens"
+        )
+    if error == _BAD_PAGE:
+        raise ValueError(
+            f"lookup_table[{b}, {j}] = {table[b, j]} is out of range [0, {pages}) but "
+            f"sequence {b} uses that page"
+        )
     return KVLayout(
-        k_pages, v_pages, max(page_size, 1), np.ascontiguousarray(table * step),
-        np.zeros(batch, np.int64), lengths, num_keys, hkv, d,
+        k_pages, v_pages, max(page_size, 1), kernel_table, np.zeros(batch, np.int64), lengths,
+        num_keys, hkv, d,
     )
+
+
+_NEGATIVE_LENGTH, _OVER_CAPACITY, _BAD_PAGE = 1, 2, 3
+
+
+def _check_cache_tables(lengths, kv_lens, table, capacity, num_pages, page_size, step):
+    """Check a cache's lengths and table in one compiled pass (NumPy steps on these small
+    arrays cost ~1 us each, a dozen of them per call); nothing here raises.
+
+    ``table`` is ``[B, P]`` (continuous batching: ``P = 1``, a sequence's page is its slot).
+    Returns ``(error, b, j, num_keys, kernel_table)``: ``error`` 0, or
+    ``_NEGATIVE_LENGTH`` / ``_OVER_CAPACITY`` for sequence ``b`` (``cache_lengths[b] +
+    kv_lens[b]`` past ``capacity``, compared with the room left so that lengths near the
+    int64 limit cannot wrap), or ``_BAD_PAGE`` for entry ``(b, j)`` of a page the sequence
+    uses that is outside ``[0, num_pages)``.  ``num_keys = cache_lengths + kv_lens``;
+    ``kernel_table [B, P]`` is the table times ``step`` (see :func:`_page_view`) with 0 in
+    the entries no token uses, which may hold any sentinel.
+    """
+    batch, pages_per_row = table.shape
+    num_keys = np.empty(batch, dtype=np.int64)
+    kernel_table = np.zeros((batch, pages_per_row), dtype=np.int64)
+    for b in range(batch):
+        length = lengths[b]
+        if length < 0:
+            return _NEGATIVE_LENGTH, b, 0, num_keys, kernel_table
+        if length > capacity or kv_lens[b] > capacity - length:
+            return _OVER_CAPACITY, b, 0, num_keys, kernel_table
+        num_keys[b] = length + kv_lens[b]
+    for b in range(batch):
+        if page_size == 0:
+            used_pages = pages_per_row if num_keys[b] > 0 else 0
+        else:
+            used_pages = min(-(-num_keys[b] // page_size), pages_per_row)
+        for j in range(used_pages):
+            page = table[b, j]
+            if page < 0 or page >= num_pages:
+                return _BAD_PAGE, b, j, num_keys, kernel_table
+            kernel_table[b, j] = page * step
+    return 0, 0, 0, num_keys, kernel_table
 
 
 def store_kv(cache, new_rows, input_row_offsets):

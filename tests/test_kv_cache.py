@@ -216,6 +216,39 @@ def test_cache_lengths_near_int64_limit_are_rejected_by_every_entry_point(kind, 
 
 
 @pytest.mark.parametrize("kind", ["continuous", "paged"])
+def test_table_checks_follow_the_rule_on_random_tables(kind, rng):
+    """The compiled check of every call against the rule, written in NumPy: the first
+    out-of-range entry (row-major) of a page some token uses is named; entries no token uses
+    may hold anything and reach the kernels as page 0."""
+    cls = numattn.PagedKVCache if kind == "paged" else numattn.ContinuousBatchingKVCache
+    for _ in range(300):
+        batch, page_size, num_pages = (int(x) for x in rng.integers(1, 6, 3))
+        pages_per_row = int(rng.integers(1, 5)) if kind == "paged" else 1
+        capacity = pages_per_row * page_size
+        kv_lens = rng.integers(0, 3, batch)
+        lengths = rng.integers(0, capacity + 1, batch)
+        table = rng.integers(-2, num_pages + 2, (batch, pages_per_row))
+        blocks = np.zeros((num_pages, page_size, 1, 2), np.float32)
+        cache = cls(blocks, lengths, table if kind == "paged" else table[:, 0])
+        num_keys = lengths + kv_lens
+        if np.any(num_keys > capacity):
+            with pytest.raises(ValueError, match="needs"):
+                resolve_kv(cache, cache, batch=batch, dtype=F32, kv_lens=kv_lens)
+            continue
+        used = np.arange(pages_per_row) * page_size < num_keys[:, None]
+        bad = used & ((table < 0) | (table >= num_pages))
+        if bad.any():
+            b, j = np.argwhere(bad)[0]
+            where = rf"lookup_table\[{b}, {j}\]" if kind == "paged" else rf"lookup_table\[{b}\]"
+            with pytest.raises(ValueError, match=where + " = .* is out of range"):
+                resolve_kv(cache, cache, batch=batch, dtype=F32, kv_lens=kv_lens)
+            continue
+        layout = resolve_kv(cache, cache, batch=batch, dtype=F32, kv_lens=kv_lens)
+        assert layout.num_keys.tolist() == num_keys.tolist()
+        assert np.array_equal(layout.lookup_table, np.where(used, table, 0))
+
+
+@pytest.mark.parametrize("kind", ["continuous", "paged"])
 def test_cache_lengths_made_negative_after_construction_are_rejected(kind, rng):
     """Callers update cache_lengths in place between steps: every call checks it again."""
     kb, vb, _, _, table = make_cache(rng, kind, [3, 2], 1, 4, np.float32, page_size=4)
