@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
+
 
 class CudaUnavailableError(RuntimeError):
     """Raised when CUDA is asked for on a machine (or environment) that has none."""
@@ -62,7 +64,8 @@ def resolve_device(device, arrays) -> str:
     """Turn ``device`` ("auto", "cpu", "cuda") into "cpu" or "cuda" given the inputs."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    on_device = any(is_device_array(a) for a in arrays if a is not None)
+    on_device = any(is_device_array(a) for a in arrays
+                    if a is not None and not isinstance(a, np.ndarray))
     if device == "auto":
         return "cuda" if on_device else "cpu"
     if device == "cpu" and on_device:

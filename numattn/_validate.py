@@ -16,6 +16,9 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def shape_of(x):
+    """Shape of a host or device array as a tuple of Python ints."""
+    if isinstance(x, np.ndarray):
+        return x.shape
     return tuple(int(n) for n in x.shape)
 
 
@@ -198,7 +201,14 @@ def check_no_overlap(out, inputs):
     """``out`` must not share memory with any array in ``inputs`` (name -> array or None):
     the kernel would read what it has already overwritten.  Host and device arrays both
     (compared by the address ranges they span, as ``np.may_share_memory`` does)."""
-    out_range = None if out is None else _address_range(out)
+    if out is None or all(x is None for x in inputs.values()):
+        return
+    if isinstance(out, np.ndarray):  # the same test, done by NumPy (most calls)
+        for name, x in inputs.items():
+            if isinstance(x, np.ndarray) and np.may_share_memory(out, x):
+                raise ValueError(f"out must not overlap {name}")
+        return  # device arrays are in another address space
+    out_range = _address_range(out)
     if out_range is None:
         return
     on_device, out_first, out_last = out_range

@@ -207,7 +207,7 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
     check_no_overlap(out, {"sink_weights": sinks})
     args = _KernelArgs(layout, program, tensor is not None, additive,
                        sinks if sinks is not None else np.zeros(num_heads, dtype),
-                       sinks is not None, dtype.type(scale), config)
+                       sinks is not None, dtype.type(scale), config, max_keys)
     if device == "cuda":
         return _decode_cuda(q, args, num_partitions, out, return_lse)
     return _decode_cpu(q, args, num_partitions, out, return_lse)
@@ -224,6 +224,7 @@ class _KernelArgs(NamedTuple):
     has_sink: bool
     scale: np.floating  # in the queries' dtype
     config: MHAConfig
+    max_keys: int  # keys of the longest sequence
 
 
 def _check_num_partitions(num_partitions):
@@ -241,13 +242,12 @@ def _check_num_partitions(num_partitions):
     return int(num_partitions)
 
 
-def _partition_count(requested, num_keys, batch, block_k, workers):
+def _partition_count(requested, max_keys, batch, block_k, workers):
     """Partitions to launch: the requested count, or one from the work size and workers.
 
     More partitions than the longest sequence has tiles would all be empty, so the count is
     capped there; that changes no partition's keys, so results stay bitwise the same.
     """
-    max_keys = int(num_keys.max()) if batch else 0
     tiles = max(1, -(-max_keys // block_k))
     if requested is None:
         wanted = -(-ITEMS_PER_WORKER * workers // max(batch, 1))
@@ -273,7 +273,7 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
     if batch == 0 or num_heads == 0:
         return _finish(result, lse, return_lse)
     block_k = args.config.block_k
-    parts = _partition_count(num_partitions, layout.num_keys, batch, block_k,
+    parts = _partition_count(num_partitions, args.max_keys, batch, block_k,
                              numba.get_num_threads())
     part_m = np.empty((batch, parts, num_heads), dtype)
     part_l = np.empty((batch, parts, num_heads), dtype)
@@ -327,7 +327,7 @@ def _decode_cuda(q, args, num_partitions, out, return_lse):
         group = num_heads // layout.num_kv_heads
         per_head = (tile + threads + 1) * dtype.itemsize
         heads_per_pass = max(1, min(group, CUDA_SHARED_BYTES // per_head))
-        parts = _partition_count(num_partitions, layout.num_keys, batch * layout.num_kv_heads,
+        parts = _partition_count(num_partitions, args.max_keys, batch * layout.num_kv_heads,
                                  block_k, _multiprocessors(cuda))
         # Few transfers and allocations per call: the small host arrays travel packed by
         # dtype, and the partial states and lse share one allocation.

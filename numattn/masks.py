@@ -496,6 +496,7 @@ def compile_mask(mask, name="mask"):
     program : ndarray of int64, shape [n_ops, 2]
         The postfix mask program evaluated by :func:`mask_visible` and
         :func:`mask_tile_status` (a materialized mask contributes an always-visible leaf).
+        Built once per mask object and shared by later calls: read it, do not change it.
     additive : ndarray or None
         The tensor of the mask's :class:`MaterializedMask`, if it has one.
 
@@ -507,11 +508,20 @@ def compile_mask(mask, name="mask"):
     ([[1, 0], [2, 8], [5, 0]], None)
     """
     mask = as_mask(mask, name)
-    leaves = _materialized_leaves(mask)
-    if len(leaves) > 1:
-        raise ValueError(f"{name} may hold at most one MaterializedMask, found {len(leaves)}")
-    program = np.asarray(mask._program(), dtype=np.int64).reshape(-1, 2)
-    return program, (leaves[0].tensor if leaves else None)
+    # Masks are immutable: the program is built once per mask object and kept on it (shared
+    # by every call: the kernels only read it), which saves building it at every call.
+    compiled = mask.__dict__.get("_compiled")
+    if compiled is None:
+        leaves = _materialized_leaves(mask)
+        if len(leaves) > 1:
+            raise ValueError(
+                f"{name} may hold at most one MaterializedMask, found {len(leaves)}"
+            )
+        program = np.asarray(mask._program(), dtype=np.int64).reshape(-1, 2)
+        compiled = (program, leaves[0] if leaves else None)
+        object.__setattr__(mask, "_compiled", compiled)
+    program, leaf = compiled
+    return program, (None if leaf is None else leaf.tensor)
 
 
 def additive_4d(tensor, *, batch, num_heads, max_q_len, max_keys, dtype, name="mask",

@@ -293,6 +293,28 @@ def test_additive_mask_must_have_one_query_row(rng):
     assert not out.any()
 
 
+def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch):
+    """Small calls run the partition kernel and the reduction on the calling thread; the
+    results are the same bits as on the worker threads."""
+    from numattn import decode as decode_module
+
+    k, v = make_kv(rng, "paged", [100, 0, 64], [1, 1, 1], 2, 32, np.float32, page_size=16)
+    q = randn(rng, (3, 8, 32), np.float32)
+    sinks = randn(rng, (8,), np.float32)
+    results = []
+    for threshold in (0, 2**62):  # worker threads, then the calling thread
+        monkeypatch.setattr(decode_module, "SERIAL_KV_BYTES", threshold)
+        monkeypatch.setattr(decode_module, "SERIAL_REDUCE_ELEMENTS", threshold)
+        results.append(decode_attention(q, k, v, CausalMask(), sink_weights=sinks,
+                                        num_partitions=3, return_lse=True, config=SMALL))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    want, want_lse = numattn.reference.decode_attention(q, k, v, CausalMask(),
+                                                        sink_weights=sinks, return_lse=True)
+    assert_close(results[1][0], want, np.float32)
+    assert_close(results[1][1], want_lse, np.float32, what="lse")
+
+
 def test_out_and_repeatability(rng):
     k, v = make_kv(rng, "paged", [100, 37, 64], [1, 1, 1], 2, 32, np.float32, page_size=16)
     q = randn(rng, (3, 8, 32), np.float32)

@@ -212,6 +212,21 @@ def test_long_chains_evaluate_however_nested(nesting, rng):
     assert status[0] == M.TILE_PARTIAL
 
 
+def test_program_is_built_once_per_mask():
+    mask = M.CausalMask() & M.SlidingWindowCausalMask(4)
+    program, additive = M.compile_mask(mask)
+    again, _ = M.compile_mask(mask)
+    assert again is program and additive is None
+    assert mask == mask and repr(mask).startswith("AndMask(")  # a dataclass as before
+    assert M.CausalMask() == M.CausalMask() and hash(M.CausalMask()) == hash(M.CausalMask())
+    t = np.zeros((2, 3), np.float32)
+    materialized = M.MaterializedMask(t) & M.CausalMask()
+    for _ in range(2):
+        program, additive = M.compile_mask(materialized)
+        assert additive is t and program.tolist() == [[M.OP_NULL, 0], [M.OP_CAUSAL, 0],
+                                                       [M.OP_AND, 0]]
+
+
 def test_additive_4d_shapes_and_errors():
     f32 = np.float32
     t = np.zeros((3, 5), f32)
