@@ -1,0 +1,138 @@
+"""Benchmark of small calls: the fixed cost of one call of each operation, against torch.
+
+Run ``python benchmarks/bench_overhead.py`` (``--calls N`` calls per round).  A model runs
+one attention call per layer and token, so on short contexts the fixed cost of a call (its
+argument checks, cache-table checks, kernel launches) is what a user waits for, not the
+memory or arithmetic.  Each case is tiny (float32, H = 32, Hkv = 8, D = 128, paged caches with
+pages of 16); it prints the median microseconds per call of numattn and of PyTorch's CPU
+``scaled_dot_product_attention`` on the same work (dense K/V, ``enable_gqa=True``; a padded
+causal mask for the prefill cases), and torch's time over numattn's (above 1: numattn is
+faster).  The contenders take turns in blocks of calls, round after round, so that both see
+the same state of a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
+
+import numattn
+from numattn.bench import torch_or_none
+from numattn.cross import cross_attention
+from numattn.decode import decode_attention
+from numattn.flash import flash_attention_kv_cache
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
+
+
+def cache_pair(rng, batch, num_keys):
+    """Paged K/V caches of ``num_keys`` tokens per sequence, and the same rows as dense
+    ``[B, Hkv, N, D]`` arrays for torch."""
+    pages_per_seq = -(-num_keys // PAGE_SIZE)
+    shape = (batch * pages_per_seq, PAGE_SIZE, KV_HEADS, HEAD_DIM)
+    k_pages = rng.standard_normal(shape, dtype=np.float32)
+    v_pages = rng.standard_normal(shape, dtype=np.float32)
+    table = rng.permutation(batch * pages_per_seq).reshape(batch, pages_per_seq)
+
+    def dense(pages):
+        rows = pages[table].reshape(batch, pages_per_seq * PAGE_SIZE, KV_HEADS, HEAD_DIM)
+        return np.ascontiguousarray(rows[:, :num_keys].transpose(0, 2, 1, 3))
+
+    return k_pages, v_pages, table, dense(k_pages), dense(v_pages)
+
+
+def decode_case(rng, torch, batch, num_keys):
+    k_pages, v_pages, table, k_dense, v_dense = cache_pair(rng, batch, num_keys)
+    lengths = np.full(batch, num_keys - 1)
+    k = numattn.PagedKVCache(k_pages, lengths, table)
+    v = numattn.PagedKVCache(v_pages, lengths, table)
+    q = rng.standard_normal((batch, HEADS, HEAD_DIM), dtype=np.float32)
+    out = np.empty_like(q)
+    ours = lambda: decode_attention(q, k, v, out=out)  # noqa: E731
+    if torch is None:
+        return ours, None
+    tq, tk, tv = (torch.from_numpy(x) for x in (q[:, :, None], k_dense, v_dense))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return ours, lambda: sdpa(tq, tk, tv, enable_gqa=True)
+
+
+def prefill_case(rng, torch, batch, q_len, num_keys, operation):
+    """``q_len`` new tokens per sequence after ``num_keys - q_len`` cached ones, causal."""
+    k_pages, v_pages, table, k_dense, v_dense = cache_pair(rng, batch, num_keys)
+    lengths = np.full(batch, num_keys - q_len)
+    k = numattn.PagedKVCache(k_pages, lengths, table)
+    v = numattn.PagedKVCache(v_pages, lengths, table)
+    q = rng.standard_normal((batch * q_len, HEADS, HEAD_DIM), dtype=np.float32)
+    offsets = np.arange(batch + 1, dtype=np.int64) * q_len
+    out = np.empty_like(q)
+    if operation == "flash":
+        def ours():
+            flash_attention_kv_cache(q, k, v, numattn.CausalMask(), q_input_row_offsets=offsets,
+                                     out=out)
+    else:
+        # cross attention's queries sit at 0 .. q_len - 1: the same keys, no mask
+        def ours():
+            cross_attention(q, offsets, q_len, k, v, offsets, out=out)
+    if torch is None:
+        return ours, None
+    tq = torch.from_numpy(np.ascontiguousarray(
+        q.reshape(batch, q_len, HEADS, HEAD_DIM).transpose(0, 2, 1, 3)))
+    tk, tv = torch.from_numpy(k_dense), torch.from_numpy(v_dense)
+    q_idx = np.arange(num_keys - q_len, num_keys)[:, None]
+    visible = np.arange(num_keys)[None, :] <= q_idx
+    if operation != "flash":
+        visible = np.ones_like(visible)
+    tmask = torch.from_numpy(visible)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return ours, lambda: sdpa(tq, tk, tv, attn_mask=tmask, enable_gqa=True)
+
+
+def per_call_times(fns, *, calls, rounds):
+    """Median seconds per call of each callable: blocks of ``calls`` calls, taking turns."""
+    for fn in fns:
+        for _ in range(20):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            for _ in range(calls):
+                start = time.perf_counter()
+                fn()
+                times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200, help="calls per block")
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    torch = torch_or_none()
+    cases = [
+        ("decode B=1 N=16", decode_case(rng, torch, 1, 16)),
+        ("decode B=4 N=64", decode_case(rng, torch, 4, 64)),
+        ("flash B=1 S=4 N=20", prefill_case(rng, torch, 1, 4, 20, "flash")),
+        ("cross B=2 S=4 N=16", prefill_case(rng, torch, 2, 4, 16, "cross")),
+    ]
+    print(f"float32 H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM}; {os.cpu_count()} cores; "
+          f"torch {'yes' if torch is not None else 'no'}")
+    print(f"{'case':<22}{'numattn us':>11}{'torch us':>10}{'speedup':>9}")
+    for label, (ours, theirs) in cases:
+        fns = [ours] if theirs is None else [ours, theirs]
+        medians = per_call_times(fns, calls=args.calls, rounds=args.rounds)
+        line = f"{label:<22}{medians[0] * 1e6:>11.1f}"
+        if theirs is not None:
+            line += f"{medians[1] * 1e6:>10.1f}{medians[1] / medians[0]:>8.2f}x"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
