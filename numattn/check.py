@@ -130,6 +130,14 @@ def _flash_cases(rng):
     bias[:, :, 3] = -np.inf
     yield "padded dense additive BHSN f32", f32, (lambda: op(q, k, v, bias)), (
         lambda: reference.flash_attention_kv_cache(q, k, v, bias))
+    # large enough for the worker threads (small calls run on the calling thread)
+    offsets_w = np.array([0, 300, 520])
+    qw = rng.standard_normal((520, 8, 32)).astype(f32)
+    kw, vw = _caches(rng, "paged", [100, 180], np.diff(offsets_w), 2, 32, f32, page_size=64)
+    yield "ragged paged causal, worker threads f32", f32, (
+        lambda: op(qw, kw, vw, CausalMask(), q_input_row_offsets=offsets_w)), (
+        lambda: reference.flash_attention_kv_cache(qw, kw, vw, CausalMask(),
+                                                   q_input_row_offsets=offsets_w))
 
 
 def _decode_cases(rng, device):
@@ -152,6 +160,14 @@ def _decode_cases(rng, device):
     q1 = rng.standard_normal((2, 3, 16)).astype(f32)
     yield "dense null MQA f32", f32, (lambda: op(q1, k, v, NullMask(), device=device)), (
         lambda: reference.decode_attention(q1, k, v, NullMask()))
+    if device == "cuda" and _cuda.simulator_enabled():  # minutes over this many keys
+        return
+    # on the CPU, large enough for the worker threads (small calls run on the calling thread)
+    qw = rng.standard_normal((2, 8, 64)).astype(f32)
+    kw, vw = _caches(rng, "paged", [2100, 1500], [1, 1], 2, 64, f32, page_size=64)
+    yield "paged causal, worker threads f32", f32, (
+        lambda: op(qw, kw, vw, CausalMask(), device=device)), (
+        lambda: reference.decode_attention(qw, kw, vw, CausalMask()))
 
 
 def _cross_cases(rng, device):
@@ -186,6 +202,11 @@ def _merge_cases(rng):
     lses[0][0] = -np.inf
     yield "3 parts with empty rows f32", np.float32, (lambda: merge_states(outs, lses)[0]), (
         lambda: reference.merge_states(outs, lses)[0])
+    outs_w = [rng.standard_normal((64, 32, 128)).astype(np.float32) for _ in range(3)]
+    lses_w = [rng.standard_normal((64, 32)).astype(np.float32) for _ in range(3)]
+    yield "3 parts, worker threads f32", np.float32, (
+        lambda: merge_states(outs_w, lses_w)[0]), (
+        lambda: reference.merge_states(outs_w, lses_w)[0])
 
 
 def _to_host(x):
