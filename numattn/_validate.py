@@ -13,6 +13,7 @@ import numpy as np
 from ._cuda import is_device_array
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def shape_of(x):
@@ -94,7 +95,7 @@ def host_int_array(name, x, *, ndim=1):
             raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
     if x.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-d, got shape {list(x.shape)}")
-    if x.dtype.kind == "u" and x.size and int(x.max()) > np.iinfo(np.int64).max:
+    if x.dtype.kind == "u" and x.size and int(x.max()) > INT64_MAX:
         raise ValueError(f"{name} holds values too large for int64")
     return np.ascontiguousarray(x, dtype=np.int64)
 

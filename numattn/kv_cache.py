@@ -29,6 +29,7 @@ import numpy as np
 
 from ._jit import body, cpu_jit
 from ._validate import (
+    INT64_MAX,
     check_array,
     check_float_dtype,
     check_row_offsets,
@@ -38,8 +39,6 @@ from ._validate import (
 )
 
 __all__ = ["ContinuousBatchingKVCache", "KVLayout", "PagedKVCache", "store_kv"]
-
-_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 @body
@@ -340,7 +339,7 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
     if isinstance(k, ContinuousBatchingKVCache):
         capacity, limit = page_size, f"the cache holds max_seq_len = {page_size}"
     else:
-        capacity = min(table.shape[1] * page_size, _INT64_MAX)
+        capacity = min(table.shape[1] * page_size, INT64_MAX)
         limit = f"its lookup_table row holds {table.shape[1]} pages of {page_size}"
     # The constructor checked cache_lengths, but callers update it in place between steps.
     kv_lens = np.zeros(batch, np.int64) if kv_lens is None else kv_lens

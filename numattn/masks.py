@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._jit import body
+from ._validate import INT64_MAX, dtype_of, shape_of
 
 __all__ = [
     "AndMask",
@@ -49,7 +50,6 @@ OP_CHUNKED_CAUSAL = 4
 OP_AND = 5
 OP_OR = 6
 
-_INT64_MAX = int(np.iinfo(np.int64).max)
 
 # Tile status.
 TILE_NONE = 0  # nothing hidden
@@ -201,7 +201,7 @@ def _check_mask_operand(other, op):
 def _program_size(value):
     """A window or chunk as the int64 the kernels read.  Sizes past the int64 range act
     like the largest int64: no position reaches them."""
-    return min(int(value), _INT64_MAX)
+    return min(int(value), INT64_MAX)
 
 
 def _check_positive(cls, name, value):
@@ -538,8 +538,6 @@ def additive_4d(tensor, *, batch, num_heads, max_q_len, max_keys, dtype, name="m
     """
     if tensor is None:
         return np.zeros((1, 1, 1, 1), dtype=dtype)
-    from ._validate import dtype_of, shape_of
-
     shape = shape_of(tensor)
     if dtype_of(tensor) != np.dtype(dtype):
         raise TypeError(
