@@ -97,6 +97,14 @@ SERIAL_REDUCE_ELEMENTS = 2**18
 #: crowd the L1 cache and the miss buffers, and are slower).
 PREFETCH_KEYS = 4
 PREFETCH_LINES = 2
+#: Ragged problems with at most this many query rows per sequence and more than
+#: MULTI_QUERY_MIN_WORK multiply-adds run on decode's kernels (:func:`run_multi_query_cpu`);
+#: others on the flash kernel's tile GEMMs (fewer fixed costs on tiny problems).
+MULTI_QUERY_MAX_LEN = 16
+MULTI_QUERY_MIN_WORK = 2**21
+#: Their key partitions are counted for this many workers whatever the machine, so that
+#: results do not depend on the number of threads.
+MULTI_QUERY_WORKERS = 16
 
 
 def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
@@ -242,8 +250,10 @@ def _check_num_partitions(num_partitions):
     return int(num_partitions)
 
 
-def _partition_count(requested, max_keys, batch, block_k, workers):
-    """Partitions to launch: the requested count, or one from the work size and workers.
+def _partition_count(requested, max_keys, batch, block_k, workers,
+                     min_tiles=MIN_TILES_PER_PARTITION):
+    """Partitions to launch: the requested count, or one from the work size and workers
+    (partitions of at least ``min_tiles`` tiles).
 
     More partitions than the longest sequence has tiles would all be empty, so the count is
     capped there; that changes no partition's keys, so results stay bitwise the same.
@@ -251,7 +261,7 @@ def _partition_count(requested, max_keys, batch, block_k, workers):
     tiles = max(1, -(-max_keys // block_k))
     if requested is None:
         wanted = -(-ITEMS_PER_WORKER * workers // max(batch, 1))
-        requested = max(1, min(wanted, tiles // MIN_TILES_PER_PARTITION, MAX_AUTO_PARTITIONS))
+        requested = max(1, min(wanted, tiles // min_tiles, MAX_AUTO_PARTITIONS))
     return min(requested, tiles)
 
 
@@ -282,16 +292,70 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
     # Little work runs on the calling thread: waking the worker threads costs more.
     kv_bytes = 2 * int(layout.num_keys.sum()) * layout.num_kv_heads * head_dim * dtype.itemsize
     cpu_jit(_decode_partitions_cpu, parallel=kv_bytes > SERIAL_KV_BYTES)(
-        np.ascontiguousarray(q), layout.k_blocks, layout.v_blocks, layout.page_size,
-        layout.lookup_table, layout.row_base, layout.num_keys, args.program, args.additive,
-        args.has_additive, args.scale, block_k, dtype == np.float32, part_m, part_l,
-        part_acc,
+        np.ascontiguousarray(q), np.arange(batch + 1, dtype=np.int64), layout.num_keys - 1, 1,
+        layout.k_blocks, layout.v_blocks, layout.page_size, layout.lookup_table,
+        layout.row_base, layout.num_keys, args.program, args.additive, args.has_additive,
+        args.scale, block_k, dtype == np.float32, part_m, part_l, part_acc,
     )
     parallel = part_acc.size > SERIAL_REDUCE_ELEMENTS
     cpu_jit(_decode_reduce_cpu, parallel=parallel)(
         part_m, part_l, part_acc, args.sinks, args.has_sink, result, lse
     )
     return _finish(result, lse, return_lse)
+
+
+def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
+                        has_additive, scale, sink_weights, config, out, lse, parallel):
+    """Attention of a few query rows per sequence with decode's CPU kernels (no validation).
+
+    :func:`numattn.flash.run_flash_cpu` sends problems of at most
+    :data:`MULTI_QUERY_MAX_LEN` rows per sequence and more than
+    :data:`MULTI_QUERY_MIN_WORK` multiply-adds here (speculative decoding, short chunks over
+    a long cache): the ``S group`` rows of a KV head read each token's ``[Hkv, D]`` K and V
+    row once, where the flash kernel's items (one KV head each) stride through the rows.
+    Same arguments as :func:`numattn.flash.run_flash_cpu`, plus ``max_q_len`` and
+    ``parallel`` (use the worker threads).  The key partitions do not depend on the number
+    of threads (:data:`MULTI_QUERY_WORKERS`), so neither do the results.
+    """
+    total, num_heads, head_dim = q.shape
+    batch = q_offsets.shape[0] - 1
+    num_kv_heads = layout.num_kv_heads
+    group = num_heads // num_kv_heads
+    dtype = q.dtype
+    num_rows = max_q_len * num_heads
+    max_keys = int(layout.num_keys.max()) if batch else 0
+    # a tile holds max_q_len times decode's work: shorter partitions pay off as well
+    parts = _partition_count(None, max_keys, batch, config.block_k, MULTI_QUERY_WORKERS,
+                             max(1, MIN_TILES_PER_PARTITION // max_q_len))
+    part_m = np.empty((batch, parts, num_rows), dtype)
+    part_l = np.empty((batch, parts, num_rows), dtype)
+    part_acc = np.empty((batch, parts, num_rows, head_dim), dtype)
+    _simd.register()
+    cpu_jit(_decode_partitions_cpu, parallel=parallel)(
+        q, q_offsets, q_start_pos, max_q_len, layout.k_blocks, layout.v_blocks,
+        layout.page_size, layout.lookup_table, layout.row_base, layout.num_keys, program,
+        additive, has_additive, dtype.type(scale), config.block_k, dtype == np.float32,
+        part_m, part_l, part_acc,
+    )
+    # state row (j S + s) group + g is local row s of head j group + g
+    sinks = np.zeros(num_heads, dtype) if sink_weights is None else sink_weights
+    row_sinks = np.ascontiguousarray(np.broadcast_to(
+        sinks.reshape(num_kv_heads, 1, group), (num_kv_heads, max_q_len, group)).reshape(-1))
+    rows_out = np.empty((batch, num_rows, head_dim), dtype)
+    rows_lse = np.empty((batch, num_rows), dtype)
+    cpu_jit(_decode_reduce_cpu, parallel=parallel and part_acc.size > SERIAL_REDUCE_ELEMENTS)(
+        part_m, part_l, part_acc, row_sinks, sink_weights is not None, rows_out, rows_lse
+    )
+    # back to [T, H(, D)]: query row t is local row t - q_offsets[b] of its sequence b
+    q_lens = np.diff(q_offsets)
+    seq = np.repeat(np.arange(batch), q_lens)
+    local = np.arange(total) - np.repeat(q_offsets[:-1], q_lens)
+    shape = (batch, num_kv_heads, max_q_len, group)
+    out[...] = rows_out.reshape(*shape, head_dim).transpose(0, 2, 1, 3, 4).reshape(
+        batch, max_q_len, num_heads, head_dim)[seq, local]
+    if lse is not None:
+        lse[...] = rows_lse.reshape(shape).transpose(0, 2, 1, 3).reshape(
+            batch, max_q_len, num_heads)[seq, local]
 
 
 # --------------------------------------------------------------------------------------
@@ -395,14 +459,15 @@ def partition_bounds(num_keys, part, num_partitions, block_k):
 
 
 @body
-def key_bias(additive, b, h, t):
-    """Additive-mask term of key ``t`` for head ``h`` of sequence ``b`` (``-inf`` hides it).
+def key_bias(additive, b, h, row, t):
+    """Additive-mask term of key ``t`` for head ``h`` of local query row ``row`` of
+    sequence ``b`` (``-inf`` hides it).
 
-    ``additive`` is the ``[Bm, Hm, 1, N]`` view of :func:`numattn.masks.additive_4d`.
+    ``additive`` is the ``[Bm, Hm, S, N]`` view of :func:`numattn.masks.additive_4d`.
     """
     bm = b if additive.shape[0] > 1 else 0
     hm = h if additive.shape[1] > 1 else 0
-    return additive[bm, hm, 0, t]
+    return additive[bm, hm, row, t]
 
 
 @body
@@ -411,7 +476,7 @@ def key_hidden(program, status, q_idx, has_additive, additive, b, h, t):
     ``h`` of sequence ``b``."""
     if status != TILE_NONE and not mask_visible(program, q_idx, t):
         return True
-    return has_additive and key_bias(additive, b, h, t) == -math.inf
+    return has_additive and key_bias(additive, b, h, 0, t) == -math.inf
 
 
 @body
@@ -464,78 +529,98 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
 # --------------------------------------------------------------------------------------
 # CPU kernels.
 # --------------------------------------------------------------------------------------
-def _decode_partitions_cpu(q, k_blocks, v_blocks, page_size, lookup_table, row_base,
-                           num_keys, program, additive, has_additive, scale, block_k, single,
-                           part_m, part_l, part_acc):
-    """Partial states ``part_* [B, P, H(, D)]``: one work item per (sequence, partition).
+def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blocks,
+                           page_size, lookup_table, row_base, num_keys, program, additive,
+                           has_additive, scale, block_k, single, part_m, part_l, part_acc):
+    """Partial states ``part_* [B, P, R(, D)]``: one work item per (sequence, partition).
 
-    Per tile of keys: the scores of all heads (:func:`_tile_scores`: each token's
-    ``[Hkv, D]`` K row read in one sweep), the mask, a vectorised online-softmax step
+    Sequence ``b`` has query rows ``q[q_offsets[b]:q_offsets[b + 1]]`` (at most
+    ``max_q_len`` = S; one for decode) at positions ``q_start_pos[b] + s``.  Its ``R = S H``
+    state rows go KV head by KV head: row ``(j S + s) group + g`` is local query row ``s``
+    of head ``j group + g``, so that the ``S group`` rows of a KV head read each of its K and
+    V rows once (rows past a sequence's own length are computed and never read).  Per tile
+    of keys: the scores of all rows (:func:`_tile_scores`: each token's ``[Hkv, D]`` K row
+    read in one sweep), the mask, a vectorised online-softmax step
     (:func:`numattn.flash._softmax_tile_f32`, Cephes ``expf`` over the whole tile), then the
     weighted V rows (:func:`_tile_values`).  Scores use ``q * scale`` (scaled once).
     """
-    batch, num_heads, head_dim = q.shape
+    batch = q_offsets.shape[0] - 1
+    num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_blocks.shape[2]
     group = num_heads // num_kv_heads
+    kv_rows = max_q_len * group  # state rows per KV head
+    num_rows = num_kv_heads * kv_rows
     num_partitions = part_m.shape[1]
+    zero = scale - scale  # 0 of q's dtype
     for item in prange(batch * num_partitions):
         b = item // num_partitions
         part = item % num_partitions
-        q_idx = num_keys[b] - 1
+        q_len = q_offsets[b + 1] - q_offsets[b]
+        q0 = q_start_pos[b]
         start, end = partition_bounds(num_keys[b], part, num_partitions, block_k)
         m = part_m[b, part]
         l = part_l[b, part]
         acc = part_acc[b, part]
-        qs = np.empty((num_heads, head_dim), dtype=q.dtype)
-        for h in range(num_heads):
-            m[h] = -math.inf
-            l[h] = 0
+        qs = np.empty((num_rows, head_dim), dtype=q.dtype)
+        for r in range(num_rows):
+            m[r] = -math.inf
+            l[r] = 0
+            s = r % kv_rows // group
+            h = r // kv_rows * group + r % group
             for d in range(head_dim):
-                acc[h, d] = 0
-                qs[h, d] = q[b, h, d] * scale
-        s_buf = np.empty(num_heads * block_k, dtype=q.dtype)
-        h_buf = np.empty(num_heads * block_k, dtype=np.bool_)
-        alpha = np.empty(num_heads, dtype=q.dtype)
+                acc[r, d] = 0
+                qs[r, d] = q[q_offsets[b] + s, h, d] * scale if s < q_len else 0
+        if q_len == 0:
+            continue
+        s_buf = np.empty(num_rows * block_k, dtype=q.dtype)
+        h_buf = np.empty(num_rows * block_k, dtype=np.bool_)
+        seen_buf = np.empty(max_q_len * block_k, dtype=np.bool_)
+        alpha = np.empty(num_rows, dtype=q.dtype)
         bits = np.empty(block_k, dtype=np.int64)
         pages = np.empty(block_k + PREFETCH_KEYS, dtype=np.int64)
         slots = np.empty(block_k + PREFETCH_KEYS, dtype=np.int64)
         keys = np.empty(block_k, dtype=np.int64)
         for k0 in range(start, end, block_k):
             k1 = min(k0 + block_k, end)
-            status = mask_tile_status(program, q_idx, q_idx, k0, k1 - 1)
+            status = mask_tile_status(program, q0, q0 + q_len - 1, k0, k1 - 1)
             if status == TILE_FULL:
                 continue
             n = k1 - k0
             # the tile's rows in block order, and the first block of the next tile
             ahead = n + _tile_rows(lookup_table, page_size, row_base, b, k0, n,
                                    min(block_k, end - k1), pages, slots, keys)
-            scores = s_buf[:num_heads * n].reshape(num_heads, n)
-            hidden = h_buf[:num_heads * n].reshape(num_heads, n)  # filled for masked tiles
+            scores = s_buf[:num_rows * n].reshape(num_rows, n)
+            hidden = h_buf[:num_rows * n].reshape(num_rows, n)  # filled for masked tiles
             # Hidden keys are scored too (their rows are in range) and then replaced by
             # -inf below, so nothing they hold is used.
-            _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores)
+            _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, kv_rows, scores)
             all_visible = status == TILE_NONE and not has_additive
             if not all_visible:
-                for i in range(n):
-                    key = k0 + keys[i]
-                    visible = status == TILE_NONE or mask_visible(program, q_idx, key)
-                    for h in range(num_heads):
-                        bias = key_bias(additive, b, h, key) if has_additive else 0.0
-                        hidden[h, i] = not visible or bias == -math.inf
-                        if hidden[h, i]:
-                            scores[h, i] = -math.inf
-                        else:
-                            scores[h, i] += bias
+                # the mask once per (query row, key), then each state row
+                seen = seen_buf[:max_q_len * n].reshape(max_q_len, n)
+                for s in range(max_q_len):
+                    for i in range(n):
+                        seen[s, i] = s < q_len and (
+                            status == TILE_NONE or mask_visible(program, q0 + s, k0 + keys[i]))
+                for r in range(num_rows):
+                    s = r % kv_rows // group
+                    h = r // kv_rows * group + r % group
+                    for i in range(n):
+                        bias = zero
+                        if has_additive and seen[s, i]:
+                            bias = key_bias(additive, b, h, s, k0 + keys[i])
+                        hidden[r, i] = not seen[s, i] or bias == -math.inf
+                        scores[r, i] = -math.inf if hidden[r, i] else scores[r, i] + bias
             if single:
                 _softmax_tile_f32(scores, m, l, alpha, bits.view(np.int32))
             else:
                 _softmax_tile_f64(scores, m, l, alpha, bits)
-            for h in range(num_heads):
-                a = alpha[h]
+            for r in range(num_rows):
+                a = alpha[r]
                 if a != 1:
                     for d in range(head_dim):
-                        acc[h, d] *= a
-            _tile_values(scores, k_blocks, v_blocks, pages, slots, n, ahead, group,
+                        acc[r, d] *= a
+            _tile_values(scores, k_blocks, v_blocks, pages, slots, n, ahead, kv_rows,
                          all_visible, hidden, acc)
 
 
@@ -747,7 +832,9 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
                     if i < n:
                         s = -math.inf
                         if status == TILE_NONE or mask_visible(program, q_idx, k0 + i):
-                            bias = key_bias(additive, b, h0 + g, k0 + i) if has_additive else zero
+                            bias = zero
+                            if has_additive:
+                                bias = key_bias(additive, b, h0 + g, 0, k0 + i)
                             if bias != -math.inf:
                                 dot = zero
                                 base = red + g * threads + ks * CUDA_DOT_LANES

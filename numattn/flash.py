@@ -354,6 +354,20 @@ def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_addi
     group = num_heads // layout.num_kv_heads
     import numba
 
+    from . import decode
+
+    q_lens = np.diff(q_offsets)
+    max_q_len = int(q_lens.max())
+    # multiply-adds of the Q K^T and P V products (before the mask)
+    work = 2 * int(np.dot(q_lens, layout.num_keys)) * num_heads * q.shape[2]
+    if max_q_len <= decode.MULTI_QUERY_MAX_LEN and work > decode.MULTI_QUERY_MIN_WORK:
+        decode.run_multi_query_cpu(
+            q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
+            bool(has_additive), scale, sink_weights, config, out, lse,
+            work > SERIAL_MULTIPLY_ADDS,
+        )
+        return
+
     item_seq, item_head, item_row0, item_width, starts, total_cost = _work_items(
         q_offsets, q_start_pos, layout.num_keys, layout.num_kv_heads, program, config.block_q,
         config.block_k, numba.get_num_threads(),

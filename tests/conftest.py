@@ -17,6 +17,19 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
+@pytest.fixture(params=["decode kernels", "flash kernel"])
+def both_cpu_paths(request, monkeypatch):
+    """Runs a flash or cross test through each CPU path: decode's kernels (which take
+    problems of at most ``decode.MULTI_QUERY_MAX_LEN`` query rows per sequence; here every
+    problem) and the flash kernel's tile GEMMs (here every problem)."""
+    from numattn import decode
+
+    everything = request.param == "decode kernels"
+    monkeypatch.setattr(decode, "MULTI_QUERY_MAX_LEN", 2**62 if everything else 0)
+    monkeypatch.setattr(decode, "MULTI_QUERY_MIN_WORK", -1)
+    return request.param
+
+
 def cuda_runnable() -> bool:
     from numattn import _cuda
 

@@ -26,6 +26,10 @@ MASKS = ("null", "causal", "sliding", "chunked", "chunked_causal", "additive_sn"
 DTYPES = (np.float32, np.float64)
 
 
+#: every test runs through both CPU paths (see conftest.both_cpu_paths)
+pytestmark = pytest.mark.usefixtures("both_cpu_paths")
+
+
 # --------------------------------------------------------------------------------------
 # Problem builders (also used by test_cross_cuda.py).
 # --------------------------------------------------------------------------------------

@@ -32,6 +32,9 @@ from .utils import CACHE_KINDS, assert_close, make_kv, randn
 
 DTYPES = (np.float32, np.float64)
 
+#: every test runs through both CPU paths (see conftest.both_cpu_paths)
+pytestmark = pytest.mark.usefixtures("both_cpu_paths")
+
 MASKS = {
     "null": lambda s, n: NullMask(),
     "causal": lambda s, n: CausalMask(),
@@ -436,7 +439,10 @@ pages = rng.standard_normal((40, 32, 2, 32)).astype(np.float32)
 table = rng.permutation(40)[:39].reshape(3, 13)
 k = PagedKVCache(pages, np.array([50, 0, 100]), table)
 out, lse = flash_attention_kv_cache(q, k, k, CausalMask(), return_lse=True)
-print(hashlib.sha256(out.tobytes() + lse.tobytes()).hexdigest())
+# a few rows per sequence over long caches (decode's kernels, split-K)
+k2 = PagedKVCache(pages, np.array([400, 140, 300]), table)
+out2, lse2 = flash_attention_kv_cache(q[:, :4], k2, k2, CausalMask(), return_lse=True)
+print(hashlib.sha256(out.tobytes() + lse.tobytes() + out2.tobytes() + lse2.tobytes()).hexdigest())
 """
 
 
