@@ -20,7 +20,9 @@ The math is written once as plain bodies (tile status and key visibility from
 
 * CPU (``njit(parallel=True)``): one work item per (sequence, partition) over *all* heads, so
   each token's contiguous ``[Hkv, D]`` row is read in one sweep (the layout of every cache);
-  ``prange`` over work items, then a parallel reduction over (sequence, head) rows.
+  ``prange`` over work items, then a parallel reduction over (sequence, head) rows.  The
+  kernel also takes a few query rows per sequence (:func:`run_multi_query_cpu`, which flash
+  and cross attention use for speculative decoding and short chunks over long caches).
 * CUDA: one block per (partition, KV head, sequence); threads split each tile's keys and the
   head dimension, with shared-memory reductions for the dot products and the tile max and
   sum; then a reduction kernel with one block per (sequence, head), threads over D.

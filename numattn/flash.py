@@ -3,7 +3,10 @@
 The public function validates its arguments, normalises every input form (padded BSHD or
 ragged queries; dense, ragged, continuous-batching or paged K/V) to one ragged problem over
 the paged addressing of :func:`numattn.kv_cache.resolve_kv`, and runs
-:func:`run_flash_cpu`, which ``cross_attention`` reuses.
+:func:`run_flash_cpu`, which ``cross_attention`` reuses.  Problems of at most
+:data:`numattn.decode.MULTI_QUERY_MAX_LEN` query rows per sequence (with enough work to
+matter) go to decode's CPU kernel instead, which reads each token's K and V row once for
+all heads (:func:`numattn.decode.run_multi_query_cpu`); the rest to the kernel below.
 
 The kernel splits the work into items ``(sequence, KV head, query tile)``; each item is
 computed by one thread from start to end, so results do not depend on the thread count.
