@@ -53,7 +53,7 @@ def on_path(fn, decode_kernels):
     def run():
         saved = decode.MULTI_QUERY_MAX_LEN, decode.MULTI_QUERY_MIN_WORK
         decode.MULTI_QUERY_MAX_LEN = 2**62 if decode_kernels else 0
-        decode.MULTI_QUERY_MIN_WORK = -1
+        decode.MULTI_QUERY_MIN_WORK = -1  # every case has all its rows in use
         try:
             fn()
         finally:

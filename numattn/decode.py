@@ -99,11 +99,14 @@ SERIAL_REDUCE_ELEMENTS = 2**18
 #: crowd the L1 cache and the miss buffers, and are slower).
 PREFETCH_KEYS = 4
 PREFETCH_LINES = 2
-#: Ragged problems with at most this many query rows per sequence and more than
-#: MULTI_QUERY_MIN_WORK multiply-adds run on decode's kernels (:func:`run_multi_query_cpu`);
-#: others on the flash kernel's tile GEMMs (fewer fixed costs on tiny problems).
+#: Ragged problems with at most this many query rows per sequence, more than
+#: MULTI_QUERY_MIN_WORK multiply-adds and at least MULTI_QUERY_MIN_ACTIVE of their
+#: ``B * max_q_len`` rows in use run on decode's kernels (:func:`run_multi_query_cpu`, which
+#: computes every sequence as ``max_q_len`` rows long); others on the flash kernel's tile
+#: GEMMs (fewer fixed costs on tiny problems, no work on rows a sequence does not have).
 MULTI_QUERY_MAX_LEN = 16
 MULTI_QUERY_MIN_WORK = 2**21
+MULTI_QUERY_MIN_ACTIVE = 0.5
 #: Their key partitions are counted for this many workers whatever the machine, so that
 #: results do not depend on the number of threads.
 MULTI_QUERY_WORKERS = 16
@@ -311,10 +314,10 @@ def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     """Attention of a few query rows per sequence with decode's CPU kernels (no validation).
 
     :func:`numattn.flash.run_flash_cpu` sends problems of at most
-    :data:`MULTI_QUERY_MAX_LEN` rows per sequence and more than
-    :data:`MULTI_QUERY_MIN_WORK` multiply-adds here (speculative decoding, short chunks over
-    a long cache): the ``S group`` rows of a KV head read each token's ``[Hkv, D]`` K and V
-    row once, where the flash kernel's items (one KV head each) stride through the rows.
+    :data:`MULTI_QUERY_MAX_LEN` rows per sequence (and enough work, most rows in use) here
+    (speculative decoding, short chunks over a long cache): the ``S group`` rows of a KV
+    head read each token's ``[Hkv, D]`` K and V row once, where the flash kernel's items
+    (one KV head each) stride through the rows.
     Same arguments as :func:`numattn.flash.run_flash_cpu`, plus ``max_q_len`` and
     ``parallel`` (use the worker threads).  The key partitions do not depend on the number
     of threads (:data:`MULTI_QUERY_WORKERS`), so neither do the results.

@@ -363,7 +363,9 @@ def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_addi
     max_q_len = int(q_lens.max())
     # multiply-adds of the Q K^T and P V products (before the mask)
     work = 2 * int(np.dot(q_lens, layout.num_keys)) * num_heads * q.shape[2]
-    if max_q_len <= decode.MULTI_QUERY_MAX_LEN and work > decode.MULTI_QUERY_MIN_WORK:
+    batch = q_offsets.shape[0] - 1
+    if (max_q_len <= decode.MULTI_QUERY_MAX_LEN and work > decode.MULTI_QUERY_MIN_WORK
+            and total >= decode.MULTI_QUERY_MIN_ACTIVE * batch * max_q_len):
         decode.run_multi_query_cpu(
             q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
             bool(has_additive), scale, sink_weights, config, out, lse,

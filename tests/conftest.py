@@ -27,6 +27,7 @@ def both_cpu_paths(request, monkeypatch):
     everything = request.param == "decode kernels"
     monkeypatch.setattr(decode, "MULTI_QUERY_MAX_LEN", 2**62 if everything else 0)
     monkeypatch.setattr(decode, "MULTI_QUERY_MIN_WORK", -1)
+    monkeypatch.setattr(decode, "MULTI_QUERY_MIN_ACTIVE", 0)
     return request.param
 
 

@@ -315,6 +315,40 @@ def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch):
     assert_close(results[1][1], want_lse, np.float32, what="lse")
 
 
+def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
+    """Flash runs problems of <= MULTI_QUERY_MAX_LEN rows per sequence, with enough work
+    and most rows in use, on decode's kernels; others on its own kernel.  Both agree with
+    the reference (every flash and cross test also runs through both paths)."""
+    from numattn import decode as decode_module
+
+    routed = []
+    real = decode_module.run_multi_query_cpu
+
+    def spy(*args):
+        routed.append(args[3])  # max_q_len
+        return real(*args)
+
+    monkeypatch.setattr(decode_module, "run_multi_query_cpu", spy)
+
+    def run(q_lens, cache_len):
+        offsets = np.concatenate([[0], np.cumsum(q_lens)])
+        q = randn(rng, (offsets[-1], 8, 64), np.float32)
+        k, v = make_kv(rng, "paged", [cache_len] * len(q_lens), q_lens, 2, 64, np.float32,
+                       page_size=16)
+        got = numattn.flash_attention_kv_cache(q, k, v, CausalMask(),
+                                               q_input_row_offsets=offsets)
+        want = numattn.reference.flash_attention_kv_cache(q, k, v, CausalMask(),
+                                                          q_input_row_offsets=offsets)
+        assert_close(got, want, np.float32)
+
+    run([4, 4], 600)  # speculative decoding: decode's kernels
+    assert routed == [4]
+    run([1] * 6 + [16], 600)  # 22 of 7 x 16 rows in use: the flash kernel
+    run([4, 4], 10)  # tiny: the flash kernel (fewer fixed costs)
+    run([17, 17], 600)  # more rows: the flash kernel's GEMMs
+    assert routed == [4]
+
+
 def test_out_and_repeatability(rng):
     k, v = make_kv(rng, "paged", [100, 37, 64], [1, 1, 1], 2, 32, np.float32, page_size=16)
     q = randn(rng, (3, 8, 32), np.float32)
