@@ -3,7 +3,7 @@
 Run ``python benchmarks/bench_multi_query.py`` (``--repeat N``).  Each case is causal
 ``flash_attention_kv_cache`` with S new query rows per sequence after ``N - S`` cached tokens
 (float32, H=32, Hkv=8, D=128, paged cache with pages of 128, shuffled).  Problems of at most
-``numattn.decode.MULTI_QUERY_MAX_LEN`` rows per sequence run on decode's CPU kernel; the
+``numattn.flash.MULTI_QUERY_MAX_LEN`` rows per sequence run on decode's CPU kernel; the
 script times that path and the flash kernel's tile GEMMs (the module constants switched for
 the comparison) and PyTorch's CPU ``scaled_dot_product_attention`` on the same work (dense
 K/V, ``enable_gqa=True``, a boolean causal mask), all taking turns in every round, and
@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 import numattn
-from numattn import decode
+from numattn import flash
 from numattn.bench import interleaved_times, torch_or_none
 from numattn.flash import flash_attention_kv_cache
 
@@ -51,13 +51,13 @@ def problem(rng, batch, q_len, num_keys):
 def on_path(fn, decode_kernels):
     """``fn`` run with every problem sent to decode's kernels, or to the flash kernel."""
     def run():
-        saved = decode.MULTI_QUERY_MAX_LEN, decode.MULTI_QUERY_MIN_WORK
-        decode.MULTI_QUERY_MAX_LEN = 2**62 if decode_kernels else 0
-        decode.MULTI_QUERY_MIN_WORK = -1  # every case has all its rows in use
+        saved = flash.MULTI_QUERY_MAX_LEN, flash.MULTI_QUERY_MIN_WORK
+        flash.MULTI_QUERY_MAX_LEN = 2**62 if decode_kernels else 0
+        flash.MULTI_QUERY_MIN_WORK = -1  # every case has all its rows in use
         try:
             fn()
         finally:
-            decode.MULTI_QUERY_MAX_LEN, decode.MULTI_QUERY_MIN_WORK = saved
+            flash.MULTI_QUERY_MAX_LEN, flash.MULTI_QUERY_MIN_WORK = saved
     return run
 
 
@@ -69,7 +69,7 @@ def main(argv=None):
     torch = torch_or_none()
     print(f"float32 H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM}, causal, pages of {PAGE_SIZE}; "
           f"{os.cpu_count()} cores; torch {'yes' if torch is not None else 'no'}; "
-          f"decode's kernels for S <= {decode.MULTI_QUERY_MAX_LEN}")
+          f"decode's kernels for S <= {flash.MULTI_QUERY_MAX_LEN}")
     print(f"{'case':<22}{'decode k. ms':>13}{'flash k. ms':>12}{'ratio':>7}{'GB/s':>7}"
           f"{'torch ms':>10}{'vs torch':>9}")
     for batch, q_len, num_keys in CASES:
@@ -90,7 +90,7 @@ def main(argv=None):
 
             fns.append(torch_call)
         medians = [statistics.median(t) for t in interleaved_times(fns, repeat=args.repeat)]
-        ours = medians[0] if q_len <= decode.MULTI_QUERY_MAX_LEN else medians[1]
+        ours = medians[0] if q_len <= flash.MULTI_QUERY_MAX_LEN else medians[1]
         kv_bytes = 2 * batch * num_keys * KV_HEADS * HEAD_DIM * 4
         line = (f"{f'B={batch} S={q_len} N={num_keys}':<22}{medians[0] * 1e3:>13.2f}"
                 f"{medians[1] * 1e3:>12.2f}{medians[1] / medians[0]:>7.2f}"

@@ -172,15 +172,13 @@ def check_heads(q_heads, kv_heads):
 
 
 def _address_range(x):
-    """``(on_device, first, last + 1)``: the byte addresses an array may touch, or ``None``
-    for an object that says nothing of its memory."""
-    if isinstance(x, np.ndarray):
-        on_device, address, strides = False, x.__array_interface__["data"][0], x.strides
-    elif hasattr(x, "__cuda_array_interface__"):
+    """``(first, last + 1)``: the byte addresses a device array may touch, or ``None`` for
+    an object that says nothing of its memory."""
+    if hasattr(x, "__cuda_array_interface__"):
         interface = x.__cuda_array_interface__
-        on_device, address, strides = True, interface["data"][0], interface.get("strides")
+        address, strides = interface["data"][0], interface.get("strides")
     elif isinstance(getattr(x, "_ary", None), np.ndarray):  # the CUDA simulator's arrays
-        on_device, address, strides = True, x._ary.__array_interface__["data"][0], x._ary.strides
+        address, strides = x._ary.__array_interface__["data"][0], x._ary.strides
     else:
         return None
     shape = shape_of(x)
@@ -188,14 +186,14 @@ def _address_range(x):
     if strides is None:  # C-contiguous
         strides = np.cumprod((itemsize, *shape[:0:-1]))[::-1].tolist()
     if 0 in shape:
-        return on_device, address, address
+        return address, address
     first = last = address
     for n, stride in zip(shape, strides):
         if stride < 0:
             first += (n - 1) * stride
         else:
             last += (n - 1) * stride
-    return on_device, first, last + itemsize
+    return first, last + itemsize
 
 
 def check_no_overlap(out, inputs):
@@ -212,12 +210,12 @@ def check_no_overlap(out, inputs):
     out_range = _address_range(out)
     if out_range is None:
         return
-    on_device, out_first, out_last = out_range
-    for name, x in inputs.items():
-        x_range = None if x is None else _address_range(x)
-        if x_range is None or x_range[0] != on_device:
+    out_first, out_last = out_range
+    for name, x in inputs.items():  # host inputs are in another address space
+        x_range = None if x is None or isinstance(x, np.ndarray) else _address_range(x)
+        if x_range is None:
             continue
-        _, first, last = x_range
+        first, last = x_range
         if max(first, out_first) < min(last, out_last):  # empty ranges overlap nothing
             raise ValueError(f"out must not overlap {name}")
 

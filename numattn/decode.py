@@ -99,16 +99,8 @@ SERIAL_REDUCE_ELEMENTS = 2**18
 #: crowd the L1 cache and the miss buffers, and are slower).
 PREFETCH_KEYS = 4
 PREFETCH_LINES = 2
-#: Ragged problems with at most this many query rows per sequence, more than
-#: MULTI_QUERY_MIN_WORK multiply-adds and at least MULTI_QUERY_MIN_ACTIVE of their
-#: ``B * max_q_len`` rows in use run on decode's kernels (:func:`run_multi_query_cpu`, which
-#: computes every sequence as ``max_q_len`` rows long); others on the flash kernel's tile
-#: GEMMs (fewer fixed costs on tiny problems, no work on rows a sequence does not have).
-MULTI_QUERY_MAX_LEN = 16
-MULTI_QUERY_MIN_WORK = 2**21
-MULTI_QUERY_MIN_ACTIVE = 0.5
-#: Their key partitions are counted for this many workers whatever the machine, so that
-#: results do not depend on the number of threads.
+#: :func:`run_multi_query_cpu` counts its key partitions for this many workers whatever the
+#: machine, so that results do not depend on the number of threads.
 MULTI_QUERY_WORKERS = 16
 
 
@@ -314,7 +306,8 @@ def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     """Attention of a few query rows per sequence with decode's CPU kernels (no validation).
 
     :func:`numattn.flash.run_flash_cpu` sends problems of at most
-    :data:`MULTI_QUERY_MAX_LEN` rows per sequence (and enough work, most rows in use) here
+    :data:`numattn.flash.MULTI_QUERY_MAX_LEN` rows per sequence (with enough work and most
+    rows in use: every sequence is computed as ``max_q_len`` rows long) here
     (speculative decoding, short chunks over a long cache): the ``S group`` rows of a KV
     head read each token's ``[Hkv, D]`` K and V row once, where the flash kernel's items
     (one KV head each) stride through the rows.

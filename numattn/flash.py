@@ -4,7 +4,7 @@ The public function validates its arguments, normalises every input form (padded
 ragged queries; dense, ragged, continuous-batching or paged K/V) to one ragged problem over
 the paged addressing of :func:`numattn.kv_cache.resolve_kv`, and runs
 :func:`run_flash_cpu`, which ``cross_attention`` reuses.  Problems of at most
-:data:`numattn.decode.MULTI_QUERY_MAX_LEN` query rows per sequence (with enough work to
+:data:`MULTI_QUERY_MAX_LEN` query rows per sequence (with enough work to
 matter) go to decode's CPU kernel instead, which reads each token's K and V row once for
 all heads (:func:`numattn.decode.run_multi_query_cpu`); the rest to the kernel below.
 
@@ -364,8 +364,8 @@ def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_addi
     # multiply-adds of the Q K^T and P V products (before the mask)
     work = 2 * int(np.dot(q_lens, layout.num_keys)) * num_heads * q.shape[2]
     batch = q_offsets.shape[0] - 1
-    if (max_q_len <= decode.MULTI_QUERY_MAX_LEN and work > decode.MULTI_QUERY_MIN_WORK
-            and total >= decode.MULTI_QUERY_MIN_ACTIVE * batch * max_q_len):
+    if (max_q_len <= MULTI_QUERY_MAX_LEN and work > MULTI_QUERY_MIN_WORK
+            and total >= MULTI_QUERY_MIN_ACTIVE * batch * max_q_len):
         decode.run_multi_query_cpu(
             q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
             bool(has_additive), scale, sink_weights, config, out, lse,
@@ -401,6 +401,15 @@ def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_addi
 #: threads costs 30-100 us on a virtual machine (a few us elsewhere), more than it saves on
 #: such work.
 SERIAL_MULTIPLY_ADDS = 2**21
+#: Problems with at most MULTI_QUERY_MAX_LEN query rows per sequence, more than
+#: MULTI_QUERY_MIN_WORK multiply-adds and at least MULTI_QUERY_MIN_ACTIVE of their
+#: ``B * max_q_len`` rows in use run on decode's kernels
+#: (:func:`numattn.decode.run_multi_query_cpu`, which computes every sequence as
+#: ``max_q_len`` rows long); others on the kernel below (fewer fixed costs on tiny problems,
+#: no work on rows a sequence does not have).
+MULTI_QUERY_MAX_LEN = 16
+MULTI_QUERY_MIN_WORK = SERIAL_MULTIPLY_ADDS
+MULTI_QUERY_MIN_ACTIVE = 0.5
 _CHUNK = 16  # keys per mask sub-tile when a PARTIAL tile is resolved row by row
 _SUB_Q = 16  # query positions per sub-tile of a PARTIAL tile (each trimmed to its keys)
 

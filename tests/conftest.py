@@ -20,14 +20,14 @@ def rng(request):
 @pytest.fixture(params=["decode kernels", "flash kernel"])
 def both_cpu_paths(request, monkeypatch):
     """Runs a flash or cross test through each CPU path: decode's kernels (which take
-    problems of at most ``decode.MULTI_QUERY_MAX_LEN`` query rows per sequence; here every
+    problems of at most ``flash.MULTI_QUERY_MAX_LEN`` query rows per sequence; here every
     problem) and the flash kernel's tile GEMMs (here every problem)."""
-    from numattn import decode
+    from numattn import flash
 
     everything = request.param == "decode kernels"
-    monkeypatch.setattr(decode, "MULTI_QUERY_MAX_LEN", 2**62 if everything else 0)
-    monkeypatch.setattr(decode, "MULTI_QUERY_MIN_WORK", -1)
-    monkeypatch.setattr(decode, "MULTI_QUERY_MIN_ACTIVE", 0)
+    monkeypatch.setattr(flash, "MULTI_QUERY_MAX_LEN", 2**62 if everything else 0)
+    monkeypatch.setattr(flash, "MULTI_QUERY_MIN_WORK", -1)
+    monkeypatch.setattr(flash, "MULTI_QUERY_MIN_ACTIVE", 0)
     return request.param
 
 

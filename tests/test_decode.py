@@ -316,7 +316,7 @@ def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch):
 
 
 def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
-    """Flash runs problems of <= MULTI_QUERY_MAX_LEN rows per sequence, with enough work
+    """Flash runs problems of <= flash.MULTI_QUERY_MAX_LEN rows per sequence, with enough work
     and most rows in use, on decode's kernels; others on its own kernel.  Both agree with
     the reference (every flash and cross test also runs through both paths)."""
     from numattn import decode as decode_module
