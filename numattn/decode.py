@@ -90,15 +90,19 @@ MAX_AUTO_PARTITIONS = 64
 #: CPU: calls that read up to this many K/V bytes run on the calling thread, and partial
 #: outputs up to this many elements are merged there: waking the worker threads costs
 #: 30-100 us on a virtual machine (a few us elsewhere), more than it saves on such work.
-SERIAL_KV_BYTES = 2**20
+SERIAL_KV_BYTES = 2**21
 SERIAL_REDUCE_ELEMENTS = 2**18
 #: CPU: the kernel asks for the first PREFETCH_LINES cache lines of the K or V row it will
 #: read PREFETCH_KEYS block positions later (the next row of the same stream, see
-#: :func:`_tile_rows`).  Each token's row is a page of its own (4 KiB here), where the
-#: hardware prefetcher starts cold; a few early lines hide that start (whole rows would
-#: crowd the L1 cache and the miss buffers, and are slower).
+#: :func:`_tile_rows`), when rows are at least PREFETCH_MIN_ROW_BYTES long.  Such a row is
+#: a page of its own (4 KiB here), where the hardware prefetcher starts cold; a few early
+#: lines hide that start (8-10% faster; whole rows would crowd the L1 cache and the miss
+#: buffers, and are slower).  Shorter rows share pages, which the hardware prefetcher
+#: follows on its own: there the hints only cost time (rows of 0.5-3 KiB read 10-40%
+#: slower with them).
 PREFETCH_KEYS = 4
 PREFETCH_LINES = 2
+PREFETCH_MIN_ROW_BYTES = 4096
 #: :func:`run_multi_query_cpu` counts its key partitions for this many workers whatever the
 #: machine, so that results do not depend on the number of threads.
 MULTI_QUERY_WORKERS = 16
@@ -248,22 +252,32 @@ def _check_num_partitions(num_partitions):
 
 
 def _partition_count(requested, max_keys, batch, block_k, workers,
-                     min_tiles=MIN_TILES_PER_PARTITION):
+                     min_tiles=MIN_TILES_PER_PARTITION, min_items=1):
     """Partitions to launch: the requested count, or one from the work size and workers
-    (partitions of at least ``min_tiles`` tiles).
+    (partitions of at least ``min_tiles`` tiles, unless that leaves fewer than
+    ``min_items`` work items: then down to one tile each).
 
     More partitions than the longest sequence has tiles would all be empty, so the count is
     capped there; that changes no partition's keys, so results stay bitwise the same.
     """
     tiles = max(1, -(-max_keys // block_k))
     if requested is None:
-        wanted = -(-ITEMS_PER_WORKER * workers // max(batch, 1))
-        requested = max(1, min(wanted, tiles // min_tiles, MAX_AUTO_PARTITIONS))
+        batch = max(batch, 1)
+        wanted = -(-ITEMS_PER_WORKER * workers // batch)
+        requested = max(1, min(wanted, tiles // min_tiles, MAX_AUTO_PARTITIONS),
+                        -(-min_items // batch))
     return min(requested, tiles)
 
 
 def _finish(out, lse, return_lse):
     return (out, lse) if return_lse else out
+
+
+def _prefetch_lines(layout, dtype):
+    """Lines of each K/V row the CPU kernel prefetches: :data:`PREFETCH_LINES` for rows of
+    at least :data:`PREFETCH_MIN_ROW_BYTES`, none for smaller rows."""
+    row_bytes = layout.num_kv_heads * layout.head_dim * dtype.itemsize
+    return PREFETCH_LINES if row_bytes >= PREFETCH_MIN_ROW_BYTES else 0
 
 
 # --------------------------------------------------------------------------------------
@@ -280,19 +294,24 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
     if batch == 0 or num_heads == 0:
         return _finish(result, lse, return_lse)
     block_k = args.config.block_k
-    parts = _partition_count(num_partitions, args.max_keys, batch, block_k,
-                             numba.get_num_threads())
+    # Little work runs on the calling thread: waking the worker threads costs more.  Work
+    # for the workers is cut into at least one item per worker (a single long sequence
+    # into partitions of one tile if need be).
+    kv_bytes = 2 * int(layout.num_keys.sum()) * layout.num_kv_heads * head_dim * dtype.itemsize
+    workers = numba.get_num_threads()
+    parallel = kv_bytes > SERIAL_KV_BYTES and workers > 1
+    parts = _partition_count(num_partitions, args.max_keys, batch, block_k, workers,
+                             min_items=workers if parallel else 1)
     part_m = np.empty((batch, parts, num_heads), dtype)
     part_l = np.empty((batch, parts, num_heads), dtype)
     part_acc = np.empty((batch, parts, num_heads, head_dim), dtype)
     _simd.register()
-    # Little work runs on the calling thread: waking the worker threads costs more.
-    kv_bytes = 2 * int(layout.num_keys.sum()) * layout.num_kv_heads * head_dim * dtype.itemsize
-    cpu_jit(_decode_partitions_cpu, parallel=kv_bytes > SERIAL_KV_BYTES)(
+    cpu_jit(_decode_partitions_cpu, parallel=parallel and batch * parts > 1)(
         np.ascontiguousarray(q), np.arange(batch + 1, dtype=np.int64), layout.num_keys - 1, 1,
         layout.k_blocks, layout.v_blocks, layout.page_size, layout.lookup_table,
         layout.row_base, layout.num_keys, args.program, args.additive, args.has_additive,
-        args.scale, block_k, dtype == np.float32, part_m, part_l, part_acc,
+        args.scale, block_k, dtype == np.float32, _prefetch_lines(layout, dtype), part_m,
+        part_l, part_acc,
     )
     parallel = part_acc.size > SERIAL_REDUCE_ELEMENTS
     cpu_jit(_decode_reduce_cpu, parallel=parallel)(
@@ -333,7 +352,7 @@ def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
         q, q_offsets, q_start_pos, max_q_len, layout.k_blocks, layout.v_blocks,
         layout.page_size, layout.lookup_table, layout.row_base, layout.num_keys, program,
         additive, has_additive, dtype.type(scale), config.block_k, dtype == np.float32,
-        part_m, part_l, part_acc,
+        _prefetch_lines(layout, dtype), part_m, part_l, part_acc,
     )
     # state row (j S + s) group + g is local row s of head j group + g
     sinks = np.zeros(num_heads, dtype) if sink_weights is None else sink_weights
@@ -529,7 +548,8 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
 # --------------------------------------------------------------------------------------
 def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blocks,
                            page_size, lookup_table, row_base, num_keys, program, additive,
-                           has_additive, scale, block_k, single, part_m, part_l, part_acc):
+                           has_additive, scale, block_k, single, prefetch_lines, part_m,
+                           part_l, part_acc):
     """Partial states ``part_* [B, P, R(, D)]``: one work item per (sequence, partition).
 
     Sequence ``b`` has query rows ``q[q_offsets[b]:q_offsets[b + 1]]`` (at most
@@ -591,7 +611,8 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
             hidden = h_buf[:num_rows * n].reshape(num_rows, n)  # filled for masked tiles
             # Hidden keys are scored too (their rows are in range) and then replaced by
             # -inf below, so nothing they hold is used.
-            _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, kv_rows, scores)
+            _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, kv_rows, prefetch_lines,
+                         scores)
             all_visible = status == TILE_NONE and not has_additive
             if not all_visible:
                 # the mask once per (query row, key), then each state row
@@ -619,7 +640,7 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
                     for d in range(head_dim):
                         acc[r, d] *= a
             _tile_values(scores, k_blocks, v_blocks, pages, slots, n, ahead, kv_rows,
-                         all_visible, hidden, acc)
+                         prefetch_lines, all_visible, hidden, acc)
 
 
 @body
@@ -669,7 +690,7 @@ def _block_rows(heads_left):
 
 
 @body
-def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores):
+def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, prefetch_lines, scores):
     """``scores[h, r] = qs[h] . K[r, h // group]`` for the ``n`` positions of a tile (CPU only).
 
     A block of four positions at a time, and per KV head its query heads in blocks of
@@ -679,11 +700,11 @@ def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores):
     """
     num_kv_heads = k_blocks.shape[2]
     for i in range(0, n, 4):
-        for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4):
+        for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4 if prefetch_lines else 0):
             if t < n:
-                prefetch_row(k_blocks, pages[t], slots[t], PREFETCH_LINES)
+                prefetch_row(k_blocks, pages[t], slots[t], prefetch_lines)
             elif t < 2 * n:  # then the tile's first V rows
-                prefetch_row(v_blocks, pages[t - n], slots[t - n], PREFETCH_LINES)
+                prefetch_row(v_blocks, pages[t - n], slots[t - n], prefetch_lines)
         for j in range(num_kv_heads):
             h = j * group
             while h < (j + 1) * group:
@@ -698,8 +719,8 @@ def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, scores):
 
 
 @body
-def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, all_visible,
-                 hidden, acc):
+def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, prefetch_lines,
+                 all_visible, hidden, acc):
     """``acc[h] += sum_r weights[h, r] V[r, h // group]`` over a tile (CPU only).
 
     A block of four positions at a time, and the query heads in blocks of
@@ -715,11 +736,11 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, all
     num_heads = weights.shape[0]
     i = 0
     while i + 4 <= n:
-        for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4):
+        for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4 if prefetch_lines else 0):
             if t < n:
-                prefetch_row(v_blocks, pages[t], slots[t], PREFETCH_LINES)
+                prefetch_row(v_blocks, pages[t], slots[t], prefetch_lines)
             elif t < ahead:  # then the next tile's first K rows
-                prefetch_row(k_blocks, pages[t], slots[t], PREFETCH_LINES)
+                prefetch_row(k_blocks, pages[t], slots[t], prefetch_lines)
         h = 0
         while h < num_heads:
             j = h // group

@@ -315,6 +315,36 @@ def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch):
     assert_close(results[1][1], want_lse, np.float32, what="lse")
 
 
+def test_row_prefetch_changes_no_bit(rng, monkeypatch):
+    """The CPU kernel prefetches the first lines of rows of at least PREFETCH_MIN_ROW_BYTES
+    (a hint): with and without it the results are the same bits, and right."""
+    from numattn import decode as decode_module
+
+    k, v = make_kv(rng, "paged", [300, 0, 129], [1, 1, 1], 2, 32, np.float32, page_size=16)
+    q = randn(rng, (3, 8, 32), np.float32)
+    results = []
+    for min_row_bytes in (0, 2**62):  # every row prefetched, then none
+        monkeypatch.setattr(decode_module, "PREFETCH_MIN_ROW_BYTES", min_row_bytes)
+        results.append(decode_attention(q, k, v, SlidingWindowCausalMask(100),
+                                        num_partitions=2, config=SMALL))
+    np.testing.assert_array_equal(results[0], results[1])
+    assert_close(results[0], numattn.reference.decode_attention(
+        q, k, v, SlidingWindowCausalMask(100)), np.float32)
+
+
+def test_automatic_partitions_give_every_worker_an_item():
+    """With the worker threads, a short batch is cut into enough partitions (down to one tile
+    each) for every worker; on the calling thread it is not cut more than its size asks."""
+    from numattn.decode import _partition_count
+
+    assert _partition_count(None, 512, 1, 128, 2, min_items=2) == 2  # 4 tiles, 2 workers
+    assert _partition_count(None, 512, 1, 128, 2) == 1  # calling thread: 4 tiles are 1 part
+    assert _partition_count(None, 512, 1, 128, 8, min_items=8) == 4  # at most one per tile
+    assert _partition_count(None, 512, 3, 128, 2, min_items=2) == 1  # 3 items already
+    assert _partition_count(None, 40000, 1, 128, 2, min_items=2) == 8  # ITEMS_PER_WORKER
+    assert _partition_count(3, 512, 1, 128, 2, min_items=2) == 3  # a request is kept
+
+
 def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
     """Flash runs problems of <= flash.MULTI_QUERY_MAX_LEN rows per sequence, with enough work
     and most rows in use, on decode's kernels; others on its own kernel.  Both agree with
