@@ -14,6 +14,11 @@ each with overhead that these versions do not have:
   accumulator rows of ``rows`` query heads, each vector of V loaded once for all of them
   (sixteen multiply-adds per four loads of V), and no run-time test of whether the
   accumulators overlap the cache (the vectoriser's version tests that on every call).
+* :func:`values_tile_4` (and ``_2``, ``_1``): the same sum over a whole tile of keys for
+  rows of at most :data:`TILE_VECTORS` vectors (D <= 64 in float32 with AVX-512): the
+  accumulators stay in registers from the first key to the last, where the block version
+  loads and stores them every four keys; with short rows those loads and stores, not the
+  multiply-adds, took most of the time.
 
 Each function is plain NumPy here (its definition, and what runs uncompiled); :func:`register`
 gives it its compiled form (LLVM vectors as wide as the target's registers: 64 bytes with
@@ -38,12 +43,18 @@ __all__ = [
     "values_block_1",
     "values_block_2",
     "values_block_4",
+    "values_tile_1",
+    "values_tile_2",
+    "values_tile_4",
+    "values_tile_fits",
 ]
 
 #: Keys per block: each block function handles four keys (four K or V rows).
 BLOCK_KEYS = 4
 #: Query heads per block that the functions come in (a KV head's group is cut into these).
 BLOCK_ROWS = (4, 2, 1)
+#: Vectors per row that :func:`values_tile_4` keeps in registers (4 rows of 4: sixteen).
+TILE_VECTORS = 4
 
 
 def prefetch_row(blocks, page, slot, num_lines):
@@ -80,12 +91,36 @@ def _values_block(rows):
     return values_block
 
 
+def _values_tile(rows):
+    def values_tile(weights, h, v_blocks, j, pages, slots, n, acc):
+        value_rows = v_blocks[pages[:n], slots[:n], j]  # [n, D]
+        acc[h:h + rows] += weights[h:h + rows, :n] @ value_rows
+
+    values_tile.__name__ = values_tile.__qualname__ = f"values_tile_{rows}"
+    values_tile.__doc__ = f"""Weighted V rows of block positions ``0 .. n - 1`` added to query
+    heads ``h .. h + {rows - 1}``: ``acc[h + a] += sum_p weights[h + a, p] * V_p`` with
+    ``V_p = v_blocks[pages[p], slots[p], j]``, the accumulators held in registers over all
+    ``n`` positions.  Only for rows of at most :data:`TILE_VECTORS` vectors
+    (:func:`values_tile_fits`)."""
+    return values_tile
+
+
+def values_tile_fits(head_dim, itemsize, vector_bytes=None):
+    """Whether rows of ``head_dim`` elements of ``itemsize`` bytes fit the registers of
+    :func:`values_tile_4` (:data:`TILE_VECTORS` vectors of this machine's width)."""
+    vector_bytes = vector_bytes or target_vector_bytes()
+    return head_dim * itemsize <= TILE_VECTORS * vector_bytes
+
+
 scores_block_4 = _scores_block(4)
 scores_block_2 = _scores_block(2)
 scores_block_1 = _scores_block(1)
 values_block_4 = _values_block(4)
 values_block_2 = _values_block(2)
 values_block_1 = _values_block(1)
+values_tile_4 = _values_tile(4)
+values_tile_2 = _values_tile(2)
+values_tile_1 = _values_tile(1)
 
 _REGISTERED = []
 _REGISTER_LOCK = threading.Lock()
@@ -132,6 +167,16 @@ def _forward_values(intrinsic):
     return typer
 
 
+def _forward_values_tile(intrinsic):
+    def typer(weights, h, v_blocks, j, pages, slots, n, acc):
+        def impl(weights, h, v_blocks, j, pages, slots, n, acc):
+            intrinsic(weights, h, v_blocks, j, pages, slots, n, acc)
+
+        return impl
+
+    return typer
+
+
 def _forward_prefetch(intrinsic):
     def typer(blocks, page, slot, num_lines):
         def impl(blocks, page, slot, num_lines):
@@ -143,7 +188,7 @@ def _forward_prefetch(intrinsic):
 
 
 _FORWARDERS = {"scores_block": _forward_scores, "values_block": _forward_values,
-               "prefetch": _forward_prefetch}
+               "values_tile": _forward_values_tile, "prefetch": _forward_prefetch}
 
 
 def target_vector_bytes():
@@ -398,6 +443,51 @@ def build_intrinsics(vector_bytes):
 
         return values_block
 
+    def make_values_tile(rows):
+        @intrinsic
+        def values_tile(typingctx, weights, h, v_blocks, j, pages, slots, n, acc):
+            sig = types.none(weights, h, v_blocks, j, pages, slots, n, acc)
+
+            def codegen(context, builder, signature, args):
+                w_v, h_v, v_v, j_v, pages_v, slots_v, n_v, acc_v = args
+                w_ty, _, v_ty, _, pages_ty, slots_ty, _, acc_ty = signature.args
+                vec = Vectors(context, builder, acc_ty.dtype)
+                heads = [builder.add(h_v, const(a)) for a in range(rows)]
+                head_dim = last_dim(context, builder, acc_ty, acc_v)
+                # vector c holds elements c * lanes ..; its lanes past head_dim are masked
+                masks = []
+                for c in range(TILE_VECTORS):
+                    left = builder.sub(head_dim, const(c * vec.lanes))
+                    left = builder.select(builder.icmp_signed("<", left, const(0)), const(0),
+                                          left)
+                    masks.append(vec.first_lanes(left))
+                acc_rows = [row_pointer(context, builder, acc_ty, acc_v, [head, const(0)])
+                            for head in heads]
+                sums = [[cgutils.alloca_once_value(
+                    builder, vec.load(acc_rows[a], const(c * vec.lanes), masks[c]))
+                    for c in range(TILE_VECTORS)] for a in range(rows)]
+                with cgutils.for_range(builder, n_v) as loop:
+                    position = loop.index
+                    (v_row,) = key_rows(context, builder, v_ty, v_v, j_v, pages_ty, pages_v,
+                                        slots_ty, slots_v, [position])
+                    weight = [vec.splat(builder.load(row_pointer(context, builder, w_ty, w_v,
+                                                                 [head, position])))
+                              for head in heads]
+                    for c in range(TILE_VECTORS):
+                        value = vec.load(v_row, const(c * vec.lanes), masks[c])
+                        for a in range(rows):
+                            total = sums[a][c]
+                            builder.store(vec.fma(weight[a], value, builder.load(total)), total)
+                for a in range(rows):
+                    for c in range(TILE_VECTORS):
+                        vec.store(builder.load(sums[a][c]), acc_rows[a], const(c * vec.lanes),
+                                  masks[c])
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return values_tile
+
     @intrinsic
     def prefetch(typingctx, blocks, page, slot, num_lines):
         sig = types.none(blocks, page, slot, num_lines)
@@ -430,4 +520,5 @@ def build_intrinsics(vector_bytes):
     for rows in BLOCK_ROWS:
         built[f"scores_block_{rows}"] = make_scores(rows)
         built[f"values_block_{rows}"] = make_values(rows)
+        built[f"values_tile_{rows}"] = make_values_tile(rows)
     return built

@@ -46,6 +46,9 @@ from ._simd import (
     values_block_1,
     values_block_2,
     values_block_4,
+    values_tile_1,
+    values_tile_2,
+    values_tile_4,
 )
 from ._softmax import exp_diff, finish_row, max_nan, merge_weight
 from ._validate import (
@@ -310,8 +313,8 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
         np.ascontiguousarray(q), np.arange(batch + 1, dtype=np.int64), layout.num_keys - 1, 1,
         layout.k_blocks, layout.v_blocks, layout.page_size, layout.lookup_table,
         layout.row_base, layout.num_keys, args.program, args.additive, args.has_additive,
-        args.scale, block_k, dtype == np.float32, _prefetch_lines(layout, dtype), part_m,
-        part_l, part_acc,
+        args.scale, block_k, dtype == np.float32, _prefetch_lines(layout, dtype),
+        _simd.values_tile_fits(head_dim, dtype.itemsize), part_m, part_l, part_acc,
     )
     parallel = part_acc.size > SERIAL_REDUCE_ELEMENTS
     cpu_jit(_decode_reduce_cpu, parallel=parallel)(
@@ -352,7 +355,8 @@ def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
         q, q_offsets, q_start_pos, max_q_len, layout.k_blocks, layout.v_blocks,
         layout.page_size, layout.lookup_table, layout.row_base, layout.num_keys, program,
         additive, has_additive, dtype.type(scale), config.block_k, dtype == np.float32,
-        _prefetch_lines(layout, dtype), part_m, part_l, part_acc,
+        _prefetch_lines(layout, dtype), _simd.values_tile_fits(head_dim, dtype.itemsize),
+        part_m, part_l, part_acc,
     )
     # state row (j S + s) group + g is local row s of head j group + g
     sinks = np.zeros(num_heads, dtype) if sink_weights is None else sink_weights
@@ -548,8 +552,8 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
 # --------------------------------------------------------------------------------------
 def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blocks,
                            page_size, lookup_table, row_base, num_keys, program, additive,
-                           has_additive, scale, block_k, single, prefetch_lines, part_m,
-                           part_l, part_acc):
+                           has_additive, scale, block_k, single, prefetch_lines,
+                           tile_values, part_m, part_l, part_acc):
     """Partial states ``part_* [B, P, R(, D)]``: one work item per (sequence, partition).
 
     Sequence ``b`` has query rows ``q[q_offsets[b]:q_offsets[b + 1]]`` (at most
@@ -640,7 +644,8 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
                     for d in range(head_dim):
                         acc[r, d] *= a
             _tile_values(scores, k_blocks, v_blocks, pages, slots, n, ahead, kv_rows,
-                         prefetch_lines, all_visible, hidden, acc)
+                         prefetch_lines, tile_values and all_visible, all_visible, hidden,
+                         acc)
 
 
 @body
@@ -720,7 +725,7 @@ def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, prefetch_lines,
 
 @body
 def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, prefetch_lines,
-                 all_visible, hidden, acc):
+                 whole_tile, all_visible, hidden, acc):
     """``acc[h] += sum_r weights[h, r] V[r, h // group]`` over a tile (CPU only).
 
     A block of four positions at a time, and the query heads in blocks of
@@ -731,9 +736,26 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, pre
     their slots hold reaches ``acc`` (a visible key whose weight underflowed to 0 still adds
     ``0 * V``: NaN in a visible row propagates).  The rows of the positions
     :data:`PREFETCH_KEYS` ahead are asked for (then the next tile's first K rows).
+
+    With ``whole_tile`` (an all-visible tile, short rows: see
+    :func:`numattn._simd.values_tile_fits`) each block of query heads instead runs over the
+    whole tile at once (:func:`numattn._simd.values_tile_4`), its accumulators in registers.
     """
     head_dim = acc.shape[1]
     num_heads = weights.shape[0]
+    if whole_tile:
+        h = 0
+        while h < num_heads:
+            j = h // group
+            rows = _block_rows((j + 1) * group - h)
+            if rows == 4:
+                values_tile_4(weights, h, v_blocks, j, pages, slots, n, acc)
+            elif rows == 2:
+                values_tile_2(weights, h, v_blocks, j, pages, slots, n, acc)
+            else:
+                values_tile_1(weights, h, v_blocks, j, pages, slots, n, acc)
+            h += rows
+        return
     i = 0
     while i + 4 <= n:
         for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4 if prefetch_lines else 0):

@@ -1,7 +1,8 @@
 """The explicit-vector CPU micro-kernels of decode (:mod:`numattn._simd`) against NumPy in
 float64, built for every vector width (so this machine also checks the AVX and SSE/NEON
 code), in both dtypes, for blocks of 1, 2 and 4 query heads, head dimensions with and
-without a tail, and blocks cut short by the end of a tile; and decode's block order."""
+without a tail, and blocks cut short by the end of a tile (and the whole-tile sums of
+short rows); and decode's block order."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def kernels(vector_bytes):
     built = _simd.build_intrinsics(vector_bytes)
     scores_4, scores_2, scores_1 = (built[f"scores_block_{r}"] for r in (4, 2, 1))
     values_4, values_2, values_1 = (built[f"values_block_{r}"] for r in (4, 2, 1))
+    tile_4, tile_2, tile_1 = (built[f"values_tile_{r}"] for r in (4, 2, 1))
     prefetch = built["prefetch_row"]
 
     @numba.njit
@@ -56,7 +58,18 @@ def kernels(vector_bytes):
                 else:
                     values_1(weights, h, v_blocks, j, pages, slots, i, acc)
 
-    return all_scores, all_values
+    @numba.njit
+    def tile_values(blocks, group, weights, v_blocks, pages, slots, n, acc):
+        for h, rows in blocks:
+            j = h // group
+            if rows == 4:
+                tile_4(weights, h, v_blocks, j, pages, slots, n, acc)
+            elif rows == 2:
+                tile_2(weights, h, v_blocks, j, pages, slots, n, acc)
+            else:
+                tile_1(weights, h, v_blocks, j, pages, slots, n, acc)
+
+    return all_scores, all_values, tile_values
 
 
 def head_blocks(num_heads, group):
@@ -111,7 +124,7 @@ def expected_scores(qs, k_blocks, pages, slots, group):
 @pytest.mark.parametrize("vector_bytes", WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scores_blocks(vector_bytes, dtype, rng):
-    all_scores, _ = kernels(vector_bytes)
+    all_scores, _, _ = kernels(vector_bytes)
     for group, n, (qs, k_blocks, _, pages, slots), what in cases(rng, dtype, vector_bytes,
                                                                  NUM_KEYS):
         # a strided view: positions past n, if written, would land in the margin
@@ -126,7 +139,7 @@ def test_scores_blocks(vector_bytes, dtype, rng):
 @pytest.mark.parametrize("vector_bytes", WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_values_blocks(vector_bytes, dtype, rng):
-    _, all_values = kernels(vector_bytes)
+    _, all_values, _ = kernels(vector_bytes)
     for group, n, (qs, _, v_blocks, pages, slots), what in cases(rng, dtype, vector_bytes,
                                                                  (4, 8, 12)):
         weights = randn(rng, (qs.shape[0], n), dtype)
@@ -137,6 +150,43 @@ def test_values_blocks(vector_bytes, dtype, rng):
                                    values[:, heads // group])
         all_values(head_blocks(qs.shape[0], group), group, weights, v_blocks, pages, slots, n, acc)
         assert_close(acc, expected, dtype, what=what)
+
+
+@pytest.mark.parametrize("vector_bytes", WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_tiles(vector_bytes, dtype, rng):
+    """The whole-tile sums, for every row short enough for them (tails masked, no element
+    past D read or written: the rows no key uses hold NaN, and acc sits in a NaN margin)."""
+    _, _, tile_values = kernels(vector_bytes)
+    tested = 0
+    for head_dim in [1, 5, 16, 37, 64, 65]:
+        if not _simd.values_tile_fits(head_dim, np.dtype(dtype).itemsize, vector_bytes):
+            continue
+        for group in GROUPS:
+            for n in NUM_KEYS:
+                what = f"{vector_bytes}-byte vectors, group {group}, D={head_dim}, n={n}"
+                qs, _, v_blocks, pages, slots = problem(rng, group, head_dim, n, dtype)
+                weights = randn(rng, (qs.shape[0], n), dtype)
+                buffer = np.full((qs.shape[0], head_dim + 3), np.nan, dtype)
+                acc = buffer[:, :head_dim]
+                acc[...] = randn(rng, qs.shape, dtype)
+                values = v_blocks[pages, slots].astype(np.float64)  # [n, Hkv, D]
+                heads = np.arange(qs.shape[0])
+                expected = acc + np.einsum("hn,nhd->hd", weights.astype(np.float64),
+                                           values[:, heads // group])
+                tile_values(head_blocks(qs.shape[0], group), group, weights, v_blocks, pages,
+                            slots, n, acc)
+                assert_close(acc, expected, dtype, what=what)
+                assert np.isnan(buffer[:, head_dim:]).all(), what
+                tested += 1
+    assert tested >= len(GROUPS) * len(NUM_KEYS) * 2  # at least two head dims per width
+
+
+def test_values_tile_fits():
+    """Up to TILE_VECTORS vectors per row."""
+    assert _simd.values_tile_fits(64, 4, 64) and not _simd.values_tile_fits(65, 4, 64)
+    assert _simd.values_tile_fits(32, 8, 64) and not _simd.values_tile_fits(33, 8, 64)
+    assert _simd.values_tile_fits(16, 4, 16) and not _simd.values_tile_fits(17, 4, 16)
 
 
 def test_plain_python_definitions_match(rng):
@@ -153,6 +203,11 @@ def test_plain_python_definitions_match(rng):
         _simd.values_block_2(scores, h, v_blocks, h // group, pages, slots, 0, acc)
     values = v_blocks[pages[:4], slots[:4]][:, np.arange(qs.shape[0]) // group]
     assert_close(acc, np.einsum("hn,nhd->hd", scores[:, :4], values))
+    tiled = np.zeros(qs.shape)
+    for h in range(0, qs.shape[0], 4):
+        _simd.values_tile_4(scores, h, v_blocks, h // group, pages, slots, n, tiled)
+    values = v_blocks[pages, slots][:, np.arange(qs.shape[0]) // group]
+    assert_close(tiled, np.einsum("hn,nhd->hd", scores, values))
 
 
 @pytest.mark.parametrize("num_keys", [1, 3, 4, 9, 128, 130])
