@@ -30,6 +30,7 @@ passes them.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -191,9 +192,11 @@ _FORWARDERS = {"scores_block": _forward_scores, "values_block": _forward_values,
                "values_tile": _forward_values_tile, "prefetch": _forward_prefetch}
 
 
+@functools.cache
 def target_vector_bytes():
     """Width of the vector registers Numba compiles for: 64 bytes with AVX-512, 32 with
-    AVX, else 16 (SSE, NEON).  Follows ``NUMBA_CPU_FEATURES`` when it is set."""
+    AVX, else 16 (SSE, NEON).  Follows ``NUMBA_CPU_FEATURES`` when it is set (read once per
+    process, as Numba does: asking LLVM for the host's features takes ~0.3 ms)."""
     import llvmlite.binding as llvm
     from numba.core import config
 
