@@ -106,6 +106,13 @@ SERIAL_REDUCE_ELEMENTS = 2**18
 PREFETCH_KEYS = 4
 PREFETCH_LINES = 2
 PREFETCH_MIN_ROW_BYTES = 4096
+#: CPU: a tile's weighted V rows are summed over the whole tile per block of query heads
+#: (accumulators in registers, :func:`numattn._simd.values_tile_4`) when a token's row of
+#: all KV heads is at most this long and a head's row fits the registers.  Each block then
+#: walks the tile's rows for its own KV head only: with several KV heads per row that
+#: strides through memory (two cores, from memory: rows of 1-4 KiB 16-29% slower), with
+#: one or two heads of D=64 it reads on (0-12% faster; 17% in cache).
+WHOLE_TILE_MAX_ROW_BYTES = 512
 #: :func:`run_multi_query_cpu` counts its key partitions for this many workers whatever the
 #: machine, so that results do not depend on the number of threads.
 MULTI_QUERY_WORKERS = 16
@@ -283,6 +290,15 @@ def _prefetch_lines(layout, dtype):
     return PREFETCH_LINES if row_bytes >= PREFETCH_MIN_ROW_BYTES else 0
 
 
+def _whole_tile_values(layout, dtype):
+    """Whether the CPU kernel sums the weighted V rows of an all-visible tile over the whole
+    tile (:func:`numattn._simd.values_tile_4`): rows of at most
+    :data:`WHOLE_TILE_MAX_ROW_BYTES` whose heads fit the registers."""
+    row_bytes = layout.num_kv_heads * layout.head_dim * dtype.itemsize
+    return (row_bytes <= WHOLE_TILE_MAX_ROW_BYTES
+            and _simd.values_tile_fits(layout.head_dim, dtype.itemsize))
+
+
 # --------------------------------------------------------------------------------------
 # CPU driver.
 # --------------------------------------------------------------------------------------
@@ -314,7 +330,7 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
         layout.k_blocks, layout.v_blocks, layout.page_size, layout.lookup_table,
         layout.row_base, layout.num_keys, args.program, args.additive, args.has_additive,
         args.scale, block_k, dtype == np.float32, _prefetch_lines(layout, dtype),
-        _simd.values_tile_fits(head_dim, dtype.itemsize), part_m, part_l, part_acc,
+        _whole_tile_values(layout, dtype), part_m, part_l, part_acc,
     )
     parallel = part_acc.size > SERIAL_REDUCE_ELEMENTS
     cpu_jit(_decode_reduce_cpu, parallel=parallel)(
@@ -355,7 +371,7 @@ def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
         q, q_offsets, q_start_pos, max_q_len, layout.k_blocks, layout.v_blocks,
         layout.page_size, layout.lookup_table, layout.row_base, layout.num_keys, program,
         additive, has_additive, dtype.type(scale), config.block_k, dtype == np.float32,
-        _prefetch_lines(layout, dtype), _simd.values_tile_fits(head_dim, dtype.itemsize),
+        _prefetch_lines(layout, dtype), _whole_tile_values(layout, dtype),
         part_m, part_l, part_acc,
     )
     # state row (j S + s) group + g is local row s of head j group + g

@@ -332,6 +332,23 @@ def test_row_prefetch_changes_no_bit(rng, monkeypatch):
         q, k, v, SlidingWindowCausalMask(100)), np.float32)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_whole_tile_and_block_sums_agree(dtype, rng, monkeypatch):
+    """Short rows sum an all-visible tile's weighted V rows over the whole tile, others
+    block by block; both are right, with masked tiles (which always go block by block)
+    among them."""
+    from numattn import decode as decode_module
+
+    k, v = make_kv(rng, "paged", [300, 1, 129], [1, 1, 1], 2, 16, dtype, page_size=16)
+    q = randn(rng, (3, 12, 16), dtype)
+    want = numattn.reference.decode_attention(q, k, v, SlidingWindowCausalMask(200))
+    for max_row_bytes in (2**30, -1):  # whole tiles, then blocks only
+        monkeypatch.setattr(decode_module, "WHOLE_TILE_MAX_ROW_BYTES", max_row_bytes)
+        got = decode_attention(q, k, v, SlidingWindowCausalMask(200), num_partitions=2,
+                               config=SMALL)
+        assert_close(got, want, dtype)
+
+
 def test_automatic_partitions_give_every_worker_an_item():
     """With the worker threads, a short batch is cut into enough partitions (down to one tile
     each) for every worker; on the calling thread it is not cut more than its size asks."""
