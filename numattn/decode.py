@@ -262,20 +262,17 @@ def _check_num_partitions(num_partitions):
 
 
 def _partition_count(requested, max_keys, batch, block_k, workers,
-                     min_tiles=MIN_TILES_PER_PARTITION, min_items=1):
+                     min_tiles=MIN_TILES_PER_PARTITION):
     """Partitions to launch: the requested count, or one from the work size and workers
-    (partitions of at least ``min_tiles`` tiles, unless that leaves fewer than
-    ``min_items`` work items: then down to one tile each).
+    (partitions of at least ``min_tiles`` tiles).
 
     More partitions than the longest sequence has tiles would all be empty, so the count is
     capped there; that changes no partition's keys, so results stay bitwise the same.
     """
     tiles = max(1, -(-max_keys // block_k))
     if requested is None:
-        batch = max(batch, 1)
-        wanted = -(-ITEMS_PER_WORKER * workers // batch)
-        requested = max(1, min(wanted, tiles // min_tiles, MAX_AUTO_PARTITIONS),
-                        -(-min_items // batch))
+        wanted = -(-ITEMS_PER_WORKER * workers // max(batch, 1))
+        requested = max(1, min(wanted, tiles // min_tiles, MAX_AUTO_PARTITIONS))
     return min(requested, tiles)
 
 
@@ -313,19 +310,17 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
     if batch == 0 or num_heads == 0:
         return _finish(result, lse, return_lse)
     block_k = args.config.block_k
-    # Little work runs on the calling thread: waking the worker threads costs more.  Work
-    # for the workers is cut into at least one item per worker (a single long sequence
-    # into partitions of one tile if need be).
+    parts = _partition_count(num_partitions, args.max_keys, batch, block_k,
+                             numba.get_num_threads())
+    # Little work, or a single work item, runs on the calling thread: waking the worker
+    # threads costs more.
     kv_bytes = 2 * int(layout.num_keys.sum()) * layout.num_kv_heads * head_dim * dtype.itemsize
-    workers = numba.get_num_threads()
-    parallel = kv_bytes > SERIAL_KV_BYTES and workers > 1
-    parts = _partition_count(num_partitions, args.max_keys, batch, block_k, workers,
-                             min_items=workers if parallel else 1)
+    parallel = kv_bytes > SERIAL_KV_BYTES and batch * parts > 1
     part_m = np.empty((batch, parts, num_heads), dtype)
     part_l = np.empty((batch, parts, num_heads), dtype)
     part_acc = np.empty((batch, parts, num_heads, head_dim), dtype)
     _simd.register()
-    cpu_jit(_decode_partitions_cpu, parallel=parallel and batch * parts > 1)(
+    cpu_jit(_decode_partitions_cpu, parallel=parallel)(
         np.ascontiguousarray(q), np.arange(batch + 1, dtype=np.int64), layout.num_keys - 1, 1,
         layout.k_blocks, layout.v_blocks, layout.page_size, layout.lookup_table,
         layout.row_base, layout.num_keys, args.program, args.additive, args.has_additive,

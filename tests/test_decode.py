@@ -349,19 +349,6 @@ def test_whole_tile_and_block_sums_agree(dtype, rng, monkeypatch):
         assert_close(got, want, dtype)
 
 
-def test_automatic_partitions_give_every_worker_an_item():
-    """With the worker threads, a short batch is cut into enough partitions (down to one tile
-    each) for every worker; on the calling thread it is not cut more than its size asks."""
-    from numattn.decode import _partition_count
-
-    assert _partition_count(None, 512, 1, 128, 2, min_items=2) == 2  # 4 tiles, 2 workers
-    assert _partition_count(None, 512, 1, 128, 2) == 1  # calling thread: 4 tiles are 1 part
-    assert _partition_count(None, 512, 1, 128, 8, min_items=8) == 4  # at most one per tile
-    assert _partition_count(None, 512, 3, 128, 2, min_items=2) == 1  # 3 items already
-    assert _partition_count(None, 40000, 1, 128, 2, min_items=2) == 8  # ITEMS_PER_WORKER
-    assert _partition_count(3, 512, 1, 128, 2, min_items=2) == 3  # a request is kept
-
-
 def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
     """Flash runs problems of <= flash.MULTI_QUERY_MAX_LEN rows per sequence, with enough work
     and most rows in use, on decode's kernels; others on its own kernel.  Both agree with
