@@ -349,6 +349,26 @@ def test_whole_tile_and_block_sums_agree(dtype, rng, monkeypatch):
         assert_close(got, want, dtype)
 
 
+def test_cpu_tiles_of_short_rows_are_longer():
+    """CPU tiles hold block_k keys, or for short rows a multiple of it up to TILE_BYTES of K
+    (at most MAX_TILE_MULTIPLE); partitions stay aligned to block_k."""
+    from types import SimpleNamespace
+
+    from numattn.decode import MAX_TILE_MULTIPLE, TILE_BYTES, _cpu_tile_keys
+
+    def tile(kv_heads, head_dim, dtype, block_k=128):
+        layout = SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim)
+        return _cpu_tile_keys(layout, np.dtype(dtype), block_k)
+
+    assert tile(8, 128, np.float32) == 128  # rows of 4 KiB
+    assert tile(1, 64, np.float32) == 1024  # 256 B: 1024 keys of 256 KiB
+    assert tile(2, 64, np.float32) == 512
+    assert tile(2, 64, np.float64) == 256
+    assert tile(1, 1, np.float32) == 128 * MAX_TILE_MULTIPLE
+    assert tile(1, 1, np.float32, block_k=4) == 4 * MAX_TILE_MULTIPLE
+    assert tile(1, 64, np.float32, block_k=TILE_BYTES) == TILE_BYTES
+
+
 def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
     """Flash runs problems of <= flash.MULTI_QUERY_MAX_LEN rows per sequence, with enough work
     and most rows in use, on decode's kernels; others on its own kernel.  Both agree with
