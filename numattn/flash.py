@@ -462,6 +462,7 @@ def _softmax_tile_f32(scores, m_run, l_run, alpha, bits):
                 row[j] = 0
             alpha[i] = 1
             continue
+        total = np.float32(0.0)
         for j in range(kw):
             x = row[j] - m_new
             xc = max(x, lo)
@@ -469,10 +470,7 @@ def _softmax_tile_f32(scores, m_run, l_run, alpha, bits):
             r = xc - n * c1 - n * c2
             y = (((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5) * (r * r) + r + one
             bits[j] = 0 if x < lo else (np.int32(n) + np.int32(127)) << np.int32(23)
-            row[j] = x if x != x else y
-        total = np.float32(0.0)
-        for j in range(kw):
-            p = row[j] * pow2[j]
+            p = (x if x != x else y) * pow2[j]  # the store and load of 2^n stay in registers
             row[j] = p
             total += p
         a = math.exp(m_old - m_new)
@@ -522,6 +520,7 @@ def _softmax_tile_f64(scores, m_run, l_run, alpha, bits):
                 row[j] = 0
             alpha[i] = 1
             continue
+        total = m_new - m_new  # 0 (m_new is finite here)
         for j in range(kw):
             x = row[j] - m_new
             xc = max(x, lo)
@@ -531,10 +530,7 @@ def _softmax_tile_f64(scores, m_run, l_run, alpha, bits):
             px = r * ((p0 * rr + p1) * rr + p2)
             y = 1.0 + 2.0 * (px / (((q0 * rr + q1) * rr + q2) * rr + q3 - px))
             bits[j] = 0 if x < lo else (np.int64(n) + np.int64(1023)) << np.int64(52)
-            row[j] = x if x != x else y
-        total = m_new - m_new  # 0 (m_new is finite here)
-        for j in range(kw):
-            p = row[j] * pow2[j]
+            p = (x if x != x else y) * pow2[j]
             row[j] = p
             total += p
         a = math.exp(m_old - m_new)
