@@ -287,27 +287,30 @@ def _finish(out, lse, return_lse):
     return (out, lse) if return_lse else out
 
 
+def _row_bytes(layout, dtype):
+    """Bytes of one token's K (or V) row of all KV heads."""
+    return layout.num_kv_heads * layout.head_dim * dtype.itemsize
+
+
 def _prefetch_lines(layout, dtype):
     """Lines of each K/V row the CPU kernel prefetches: :data:`PREFETCH_LINES` for rows of
     at least :data:`PREFETCH_MIN_ROW_BYTES`, none for smaller rows."""
-    row_bytes = layout.num_kv_heads * layout.head_dim * dtype.itemsize
-    return PREFETCH_LINES if row_bytes >= PREFETCH_MIN_ROW_BYTES else 0
+    return PREFETCH_LINES if _row_bytes(layout, dtype) >= PREFETCH_MIN_ROW_BYTES else 0
 
 
 def _cpu_tile_keys(layout, dtype, block_k):
     """Keys per tile of the CPU decode kernel: ``block_k``, or for short rows the multiple of
     it (up to :data:`MAX_TILE_MULTIPLE`) nearest below :data:`TILE_BYTES` of K per tile.
     Partitions stay aligned to ``block_k``."""
-    row_bytes = max(1, layout.num_kv_heads * layout.head_dim * dtype.itemsize)
-    return block_k * max(1, min(MAX_TILE_MULTIPLE, TILE_BYTES // (block_k * row_bytes)))
+    multiple = TILE_BYTES // (block_k * max(1, _row_bytes(layout, dtype)))
+    return block_k * max(1, min(MAX_TILE_MULTIPLE, multiple))
 
 
 def _whole_tile_values(layout, dtype):
     """Whether the CPU kernel sums the weighted V rows of an all-visible tile over the whole
     tile (:func:`numattn._simd.values_tile_4`): rows of at most
     :data:`WHOLE_TILE_MAX_ROW_BYTES` whose heads fit the registers."""
-    row_bytes = layout.num_kv_heads * layout.head_dim * dtype.itemsize
-    return (row_bytes <= WHOLE_TILE_MAX_ROW_BYTES
+    return (_row_bytes(layout, dtype) <= WHOLE_TILE_MAX_ROW_BYTES
             and _simd.values_tile_fits(layout.head_dim, dtype.itemsize))
 
 
@@ -593,6 +596,10 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
     read in one sweep), the mask, a vectorised online-softmax step
     (:func:`numattn.flash._softmax_tile_f32`, Cephes ``expf`` over the whole tile), then the
     weighted V rows (:func:`_tile_values`).  Scores use ``q * scale`` (scaled once).
+
+    Partitions are aligned to ``block_k`` keys, tiles hold ``tile_keys`` (a multiple of it:
+    :func:`_cpu_tile_keys`); ``prefetch_lines`` (:func:`_prefetch_lines`) and
+    ``tile_values`` (:func:`_whole_tile_values`) choose how rows are read for their length.
     """
     batch = q_offsets.shape[0] - 1
     num_heads, head_dim = q.shape[1], q.shape[2]
