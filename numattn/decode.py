@@ -703,8 +703,10 @@ def _tile_rows(lookup_table, page_size, row_base, b, k0, n, next_n, pages, slots
     quarter = n // 4
     page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0)
     page_idx = (row_base[b] + k0) // page_size
-    for i in range(n):  # walk the slots page by page (no division per key)
-        r = (i % quarter) * 4 + i // quarter if i < 4 * quarter else i
+    step = 0  # i % quarter and i // quarter, counted (no division per key)
+    stream = 0
+    for i in range(n):  # walk the slots page by page
+        r = step * 4 + stream if i < 4 * quarter else i
         pages[r] = page
         slots[r] = slot
         keys[r] = i
@@ -713,6 +715,10 @@ def _tile_rows(lookup_table, page_size, row_base, b, k0, n, next_n, pages, slots
             slot = 0
             page_idx += 1
             page = lookup_table[b, page_idx]
+        step += 1
+        if step == quarter:
+            step = 0
+            stream += 1
     next_quarter = max(next_n // 4, 1)
     ahead = min(PREFETCH_KEYS, next_n)
     for r in range(ahead):
