@@ -332,25 +332,41 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
                              numba.get_num_threads())
     # Little work, or a single work item, runs on the calling thread: waking the worker
     # threads costs more.
-    kv_bytes = 2 * int(layout.num_keys.sum()) * layout.num_kv_heads * head_dim * dtype.itemsize
-    parallel = kv_bytes > SERIAL_KV_BYTES and batch * parts > 1
-    part_m = np.empty((batch, parts, num_heads), dtype)
-    part_l = np.empty((batch, parts, num_heads), dtype)
-    part_acc = np.empty((batch, parts, num_heads, head_dim), dtype)
-    _simd.register()
-    cpu_jit(_decode_partitions_cpu, parallel=parallel)(
+    kv_bytes = 2 * int(layout.num_keys.sum()) * _row_bytes(layout, dtype)
+    part_m, part_l, part_acc = _partial_states_cpu(
         np.ascontiguousarray(q), np.arange(batch + 1, dtype=np.int64), layout.num_keys - 1, 1,
-        layout.k_blocks, layout.v_blocks, layout.page_size, layout.lookup_table,
-        layout.row_base, layout.num_keys, args.program, args.additive, args.has_additive,
-        args.scale, block_k, _cpu_tile_keys(layout, dtype, block_k), dtype == np.float32,
-        _prefetch_lines(layout, dtype),
-        _whole_tile_values(layout, dtype), part_m, part_l, part_acc,
+        layout, args.program, args.additive, args.has_additive, args.scale, block_k,
+        _cpu_tile_keys(layout, dtype, block_k), parts,
+        kv_bytes > SERIAL_KV_BYTES and batch * parts > 1,
     )
     parallel = part_acc.size > SERIAL_REDUCE_ELEMENTS
     cpu_jit(_decode_reduce_cpu, parallel=parallel)(
         part_m, part_l, part_acc, args.sinks, args.has_sink, result, lse
     )
     return _finish(result, lse, return_lse)
+
+
+def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
+                        has_additive, scale, block_k, tile_keys, parts, parallel):
+    """``part_m, part_l, part_acc`` of every (sequence, partition) from
+    :func:`_decode_partitions_cpu` (on the worker threads if ``parallel``), read the way
+    this layout's row length asks for (:func:`_prefetch_lines`,
+    :func:`_whole_tile_values`)."""
+    batch = q_offsets.shape[0] - 1
+    num_rows = max_q_len * q.shape[1]
+    dtype = q.dtype
+    part_m = np.empty((batch, parts, num_rows), dtype)
+    part_l = np.empty((batch, parts, num_rows), dtype)
+    part_acc = np.empty((batch, parts, num_rows, q.shape[2]), dtype)
+    _simd.register()
+    cpu_jit(_decode_partitions_cpu, parallel=parallel)(
+        q, q_offsets, q_start_pos, max_q_len, layout.k_blocks, layout.v_blocks,
+        layout.page_size, layout.lookup_table, layout.row_base, layout.num_keys, program,
+        additive, has_additive, scale, block_k, tile_keys, dtype == np.float32,
+        _prefetch_lines(layout, dtype), _whole_tile_values(layout, dtype), part_m, part_l,
+        part_acc,
+    )
+    return part_m, part_l, part_acc
 
 
 def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
@@ -377,17 +393,9 @@ def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     # a tile holds max_q_len times decode's work: shorter partitions pay off as well
     parts = _partition_count(None, max_keys, batch, config.block_k, MULTI_QUERY_WORKERS,
                              max(1, MIN_TILES_PER_PARTITION // max_q_len))
-    part_m = np.empty((batch, parts, num_rows), dtype)
-    part_l = np.empty((batch, parts, num_rows), dtype)
-    part_acc = np.empty((batch, parts, num_rows, head_dim), dtype)
-    _simd.register()
-    cpu_jit(_decode_partitions_cpu, parallel=parallel)(
-        q, q_offsets, q_start_pos, max_q_len, layout.k_blocks, layout.v_blocks,
-        layout.page_size, layout.lookup_table, layout.row_base, layout.num_keys, program,
-        additive, has_additive, dtype.type(scale), config.block_k, config.block_k,
-        dtype == np.float32,
-        _prefetch_lines(layout, dtype), _whole_tile_values(layout, dtype),
-        part_m, part_l, part_acc,
+    part_m, part_l, part_acc = _partial_states_cpu(
+        q, q_offsets, q_start_pos, max_q_len, layout, program, additive, has_additive,
+        dtype.type(scale), config.block_k, config.block_k, parts, parallel,
     )
     # state row (j S + s) group + g is local row s of head j group + g
     sinks = np.zeros(num_heads, dtype) if sink_weights is None else sink_weights
@@ -746,11 +754,12 @@ def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, prefetch_lines,
     """
     num_kv_heads = k_blocks.shape[2]
     for i in range(0, n, 4):
-        for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4 if prefetch_lines else 0):
-            if t < n:
-                prefetch_row(k_blocks, pages[t], slots[t], prefetch_lines)
-            elif t < 2 * n:  # then the tile's first V rows
-                prefetch_row(v_blocks, pages[t - n], slots[t - n], prefetch_lines)
+        if prefetch_lines:
+            for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4):
+                if t < n:
+                    prefetch_row(k_blocks, pages[t], slots[t], prefetch_lines)
+                elif t < 2 * n:  # then the tile's first V rows
+                    prefetch_row(v_blocks, pages[t - n], slots[t - n], prefetch_lines)
         for j in range(num_kv_heads):
             h = j * group
             while h < (j + 1) * group:
@@ -778,8 +787,8 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, pre
     ``0 * V``: NaN in a visible row propagates).  The rows of the positions
     :data:`PREFETCH_KEYS` ahead are asked for (then the next tile's first K rows).
 
-    With ``whole_tile`` (an all-visible tile, short rows: see
-    :func:`numattn._simd.values_tile_fits`) each block of query heads instead runs over the
+    With ``whole_tile`` (an all-visible tile of short rows: see :func:`_whole_tile_values`)
+    each block of query heads instead runs over the
     whole tile at once (:func:`numattn._simd.values_tile_4`), its accumulators in registers.
     """
     head_dim = acc.shape[1]
@@ -799,11 +808,12 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, pre
         return
     i = 0
     while i + 4 <= n:
-        for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4 if prefetch_lines else 0):
-            if t < n:
-                prefetch_row(v_blocks, pages[t], slots[t], prefetch_lines)
-            elif t < ahead:  # then the next tile's first K rows
-                prefetch_row(k_blocks, pages[t], slots[t], prefetch_lines)
+        if prefetch_lines:
+            for t in range(i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4):
+                if t < n:
+                    prefetch_row(v_blocks, pages[t], slots[t], prefetch_lines)
+                elif t < ahead:  # then the next tile's first K rows
+                    prefetch_row(k_blocks, pages[t], slots[t], prefetch_lines)
         h = 0
         while h < num_heads:
             j = h // group

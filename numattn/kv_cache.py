@@ -337,10 +337,9 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
         )
     pages, page_size, hkv, d = shape_of(k.blocks)
     if isinstance(k, ContinuousBatchingKVCache):
-        capacity, limit = page_size, f"the cache holds max_seq_len = {page_size}"
+        capacity = page_size
     else:
         capacity = min(table.shape[1] * page_size, INT64_MAX)
-        limit = f"its lookup_table row holds {table.shape[1]} pages of {page_size}"
     # The constructor checked cache_lengths, but callers update it in place between steps.
     kv_lens = np.zeros(batch, np.int64) if kv_lens is None else kv_lens
     k_pages, v_pages, step = _paged_views(k.blocks, v.blocks)
@@ -354,6 +353,10 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
         raise ValueError(f"{cls}.cache_lengths[{b}] must be >= 0, got {lengths[b]}")
     if error == _OVER_CAPACITY:
         length, new = int(lengths[b]), int(kv_lens[b])
+        if isinstance(k, ContinuousBatchingKVCache):
+            limit = f"the cache holds max_seq_len = {page_size}"
+        else:
+            limit = f"its lookup_table row holds {table.shape[1]} pages of {page_size}"
         raise ValueError(
             f"sequence {b} needs {length + new} tokens ({cls}.cache_lengths[{b}] = {length} "
             f"plus {new} new rows) but {limit}"
