@@ -201,7 +201,7 @@ def benchmark(cuda, tiny, repeat):
 def _auto_partitions(cuda, num_keys, blocks, config):
     from numattn.decode import _multiprocessors, _partition_count
 
-    return _partition_count(config.num_partitions, np.array([num_keys]), blocks,
+    return _partition_count(config.num_partitions, num_keys, blocks,
                             config.block_k, _multiprocessors(cuda))
 
 

@@ -328,16 +328,18 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
     if batch == 0 or num_heads == 0:
         return _finish(result, lse, return_lse)
     block_k = args.config.block_k
-    parts = _partition_count(num_partitions, args.max_keys, batch, block_k,
-                             numba.get_num_threads())
-    # Little work, or a single work item, runs on the calling thread: waking the worker
-    # threads costs more.
-    kv_bytes = 2 * int(layout.num_keys.sum()) * _row_bytes(layout, dtype)
+    # Little work, or a single work item, runs on the calling thread (waking the worker
+    # threads costs more), and there an automatic count is one partition per sequence.
+    serial = 2 * int(layout.num_keys.sum()) * _row_bytes(layout, dtype) <= SERIAL_KV_BYTES
+    if serial and num_partitions is None:
+        parts = 1
+    else:
+        parts = _partition_count(num_partitions, args.max_keys, batch, block_k,
+                                 numba.get_num_threads())
     part_m, part_l, part_acc = _partial_states_cpu(
         np.ascontiguousarray(q), np.arange(batch + 1, dtype=np.int64), layout.num_keys - 1, 1,
         layout, args.program, args.additive, args.has_additive, args.scale, block_k,
-        _cpu_tile_keys(layout, dtype, block_k), parts,
-        kv_bytes > SERIAL_KV_BYTES and batch * parts > 1,
+        _cpu_tile_keys(layout, dtype, block_k), parts, not serial and batch * parts > 1,
     )
     parallel = part_acc.size > SERIAL_REDUCE_ELEMENTS
     cpu_jit(_decode_reduce_cpu, parallel=parallel)(
@@ -632,9 +634,10 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
             l[r] = 0
             s = r % kv_rows // group
             h = r // kv_rows * group + r % group
+            q_row = q_offsets[b] + s  # read once: the stores below may alias q_offsets
             for d in range(head_dim):
                 acc[r, d] = 0
-                qs[r, d] = q[q_offsets[b] + s, h, d] * scale if s < q_len else 0
+                qs[r, d] = q[q_row, h, d] * scale if s < q_len else zero
         if q_len == 0:
             continue
         s_buf = np.empty(num_rows * tile_keys, dtype=q.dtype)

@@ -315,6 +315,31 @@ def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch):
     assert_close(results[1][1], want_lse, np.float32, what="lse")
 
 
+def test_automatic_partition_count_follows_the_threads_that_run_it(rng, monkeypatch):
+    """num_partitions=None: one partition per sequence for a call on the calling thread
+    (more would only add merge work), several on the worker threads; right either way."""
+    from numattn import decode as decode_module
+
+    counts = []
+    real = decode_module._partial_states_cpu
+
+    def spy(*args):
+        counts.append(args[11])  # parts
+        return real(*args)
+
+    monkeypatch.setattr(decode_module, "_partial_states_cpu", spy)
+    k, v = make_kv(rng, "paged", [300, 250], [1, 1], 2, 32, np.float32, page_size=16)
+    q = randn(rng, (2, 8, 32), np.float32)
+    want = numattn.reference.decode_attention(q, k, v, CausalMask())
+    for threshold in (2**62, 0):  # the calling thread, then the worker threads
+        monkeypatch.setattr(decode_module, "SERIAL_KV_BYTES", threshold)
+        assert_close(decode_attention(q, k, v, CausalMask(), config=SMALL), want, np.float32)
+    assert counts[0] == 1 and counts[1] > 1
+    assert_close(decode_attention(q, k, v, CausalMask(), num_partitions=3, config=SMALL), want,
+                 np.float32)
+    assert counts[2] == 3  # a requested count is kept as it is
+
+
 def test_row_prefetch_changes_no_bit(rng, monkeypatch):
     """The CPU kernel prefetches the first lines of rows of at least PREFETCH_MIN_ROW_BYTES
     (a hint): with and without it the results are the same bits, and right."""
