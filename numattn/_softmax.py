@@ -35,21 +35,6 @@ def max_nan(a, b):
 
 
 @body
-def online_update(m, l, s):
-    """Add one score ``s`` to the state ``(m, l)``.
-
-    Returns ``(m_new, l_new, alpha, p)``: the caller updates its accumulator as
-    ``acc = acc * alpha + p * v``.  A ``-inf`` score (a hidden key) leaves the state as it
-    is, but callers skip hidden keys altogether: ``0 * v`` would let a NaN stored in a hidden
-    slot reach the output.  A NaN score propagates into ``l``.
-    """
-    m_new = max_nan(m, s)
-    alpha = exp_diff(m, m_new)
-    p = exp_diff(s, m_new)
-    return m_new, l * alpha + p, alpha, p
-
-
-@body
 def finish_row(m, l, sink, has_sink):
     """Close a row: ``out = acc * out_scale`` and its log-sum-exp.
 

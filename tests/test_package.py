@@ -12,7 +12,7 @@ import pytest
 
 import numattn
 from numattn import _jit
-from numattn._softmax import exp_diff, finish_row, online_update
+from numattn._softmax import exp_diff, finish_row, max_nan
 
 from .conftest import CUDASIM
 
@@ -55,7 +55,10 @@ def _softmax_row(scores, values, sink, has_sink, out):
     for j in range(scores.shape[0]):
         if scores[j] == -math.inf:
             continue  # a hidden key: its value row is never read (it may hold NaN)
-        m, l, alpha, p = online_update(m, l, scores[j])
+        m_new = max_nan(m, scores[j])
+        alpha = exp_diff(m, m_new)
+        p = exp_diff(scores[j], m_new)
+        m, l = m_new, l * alpha + p
         for d in range(out.shape[0]):
             out[d] = out[d] * alpha + p * values[j, d]
     out_scale, lse = finish_row(m, l, sink, has_sink)
