@@ -20,6 +20,7 @@ FULL when a pair is visible, never NONE when a pair is hidden.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -509,19 +510,37 @@ def compile_mask(mask, name="mask"):
     """
     mask = as_mask(mask, name)
     # Masks are immutable: the program is built once per mask object and kept on it (shared
-    # by every call: the kernels only read it), which saves building it at every call.
+    # by every call: the kernels only read it), which saves building it at every call; a
+    # leaf mask made afresh for each call (``CausalMask()``) finds the program of an equal
+    # one.
     compiled = mask.__dict__.get("_compiled")
     if compiled is None:
-        leaves = _materialized_leaves(mask)
-        if len(leaves) > 1:
-            raise ValueError(
-                f"{name} may hold at most one MaterializedMask, found {len(leaves)}"
-            )
-        program = np.asarray(mask._program(), dtype=np.int64).reshape(-1, 2)
-        compiled = (program, leaves[0] if leaves else None)
+        if isinstance(mask, _VALUE_MASKS):
+            compiled = (_leaf_program(mask), None)
+        else:
+            leaves = _materialized_leaves(mask)
+            if len(leaves) > 1:
+                raise ValueError(
+                    f"{name} may hold at most one MaterializedMask, found {len(leaves)}"
+                )
+            compiled = (_program_array(mask), leaves[0] if leaves else None)
         object.__setattr__(mask, "_compiled", compiled)
     program, leaf = compiled
     return program, (None if leaf is None else leaf.tensor)
+
+
+#: Masks compared by value (frozen dataclasses of integers): equal ones share a program.
+_VALUE_MASKS = (NullMask, CausalMask, SlidingWindowCausalMask, ChunkedMask, ChunkedCausalMask)
+
+
+def _program_array(mask):
+    return np.asarray(mask._program(), dtype=np.int64).reshape(-1, 2)
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_program(mask):
+    """The program of a leaf mask, shared by every mask equal to it."""
+    return _program_array(mask)
 
 
 def additive_4d(tensor, *, batch, num_heads, max_q_len, max_keys, dtype, name="mask",

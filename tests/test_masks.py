@@ -260,3 +260,17 @@ def test_masks_are_frozen_and_exported():
     assert numattn.CausalMask() == numattn.CausalMask()
     assert isinstance(numattn.CausalMask() & numattn.NullMask(), numattn.AndMask)
     assert isinstance(numattn.CausalMask() | numattn.NullMask(), numattn.OrMask)
+
+
+def test_programs_are_built_once_per_mask_and_shared_by_equal_leaf_masks():
+    mask = M.CausalMask() & M.SlidingWindowCausalMask(8)
+    assert M.compile_mask(mask)[0] is M.compile_mask(mask)[0]  # kept on the object
+    # a leaf mask made afresh for every call finds the program of an equal one
+    assert M.compile_mask(M.SlidingWindowCausalMask(8))[0] is \
+        M.compile_mask(M.SlidingWindowCausalMask(np.int64(8)))[0]
+    for make in (M.SlidingWindowCausalMask, M.ChunkedMask, M.ChunkedCausalMask):
+        four, five = M.compile_mask(make(4))[0], M.compile_mask(make(5))[0]
+        assert four.tolist() != five.tolist()
+        assert four.tolist() == M.compile_mask(make(4))[0].tolist()
+    assert M.compile_mask(M.CausalMask())[0].tolist() == [[M.OP_CAUSAL, 0]]
+    assert M.compile_mask(M.NullMask())[0].tolist() == [[M.OP_NULL, 0]]
