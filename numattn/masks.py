@@ -515,7 +515,7 @@ def compile_mask(mask, name="mask"):
     # one.
     compiled = mask.__dict__.get("_compiled")
     if compiled is None:
-        if isinstance(mask, _VALUE_MASKS):
+        if type(mask) in _VALUE_MASKS:
             compiled = (_leaf_program(mask), None)
         else:
             leaves = _materialized_leaves(mask)
@@ -529,7 +529,8 @@ def compile_mask(mask, name="mask"):
     return program, (None if leaf is None else leaf.tensor)
 
 
-#: Masks compared by value (frozen dataclasses of integers): equal ones share a program.
+#: Masks compared by value (frozen dataclasses of integers): equal ones of exactly these
+#: types share a program.
 _VALUE_MASKS = (NullMask, CausalMask, SlidingWindowCausalMask, ChunkedMask, ChunkedCausalMask)
 
 

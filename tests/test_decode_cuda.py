@@ -126,3 +126,25 @@ def test_every_cuda_kernel_compiles_to_ptx(ptx_compiler, dtype):
     ptx_compiler(decode_module._decode_partitions_cuda, partitions)
     reduce = (arr(3), arr(3), arr(4), arr(1), types.boolean, arr(3), arr(2))
     ptx_compiler(decode_module._decode_reduce_cuda, reduce)
+
+
+@requires_cuda
+def test_gpu_check_script_runs_end_to_end(capsys):
+    """benchmarks/gpu_check.py, the one command to run when a GPU is lent, gets through its
+    check and its benchmark table (tiny shapes here), and counts partitions as integers for
+    the full-size shapes too."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.main(["--tiny"]) == 0
+    printed = capsys.readouterr().out
+    assert "check: all ok" in printed and "of copy bw" in printed
+    from numattn._cuda import require_cuda
+
+    for num_keys in (4096, 32768):
+        parts = gpu_check._auto_partitions(require_cuda(), num_keys, 8 * 8, MHAConfig())
+        assert type(parts) is int and parts >= 1
