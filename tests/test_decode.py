@@ -42,6 +42,20 @@ def masks_for(batch, num_heads, num_keys, dtype, rng):
     ]
 
 
+def record_argument(monkeypatch, module, name, index):
+    """Wrap ``module.name`` for the test: the list it returns gets argument ``index`` of
+    every call."""
+    seen = []
+    real = getattr(module, name)
+
+    def spy(*args):
+        seen.append(args[index])
+        return real(*args)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
 def lengths_for(kind):
     # cache lengths 0 and 1, and sequences ending right before, on and after page boundaries
     return [12, 12, 12] if kind == "dense" else [0, 1, 7, 8, 16, 30]
@@ -320,14 +334,7 @@ def test_automatic_partition_count_follows_the_threads_that_run_it(rng, monkeypa
     (more would only add merge work), several on the worker threads; right either way."""
     from numattn import decode as decode_module
 
-    counts = []
-    real = decode_module._partial_states_cpu
-
-    def spy(*args):
-        counts.append(args[11])  # parts
-        return real(*args)
-
-    monkeypatch.setattr(decode_module, "_partial_states_cpu", spy)
+    counts = record_argument(monkeypatch, decode_module, "_partial_states_cpu", 11)  # parts
     k, v = make_kv(rng, "paged", [300, 250], [1, 1], 2, 32, np.float32, page_size=16)
     q = randn(rng, (2, 8, 32), np.float32)
     want = numattn.reference.decode_attention(q, k, v, CausalMask())
@@ -400,14 +407,7 @@ def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
     the reference (every flash and cross test also runs through both paths)."""
     from numattn import decode as decode_module
 
-    routed = []
-    real = decode_module.run_multi_query_cpu
-
-    def spy(*args):
-        routed.append(args[3])  # max_q_len
-        return real(*args)
-
-    monkeypatch.setattr(decode_module, "run_multi_query_cpu", spy)
+    routed = record_argument(monkeypatch, decode_module, "run_multi_query_cpu", 3)  # max_q_len
 
     def run(q_lens, cache_len):
         offsets = np.concatenate([[0], np.cumsum(q_lens)])
