@@ -27,6 +27,8 @@ def _tokens(x, b, start, count, kv_offsets=None):
         pages = np.asarray(x.lookup_table)[b, t // ps]
         rows = x.blocks[pages, t % ps]
     elif isinstance(x, ContinuousBatchingKVCache):
+        if count == 0:  # the table entry of a sequence that reads no row may hold anything
+            return np.empty((0, *x.blocks.shape[2:]))
         rows = x.blocks[int(np.asarray(x.lookup_table)[b]), t]
     elif x.ndim == 4:  # dense [B, N, Hkv, D]
         rows = x[b, t]

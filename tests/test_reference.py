@@ -113,3 +113,17 @@ def test_cross_positions_are_local_rows(rng):
     out = reference.cross_attention(q, [0, 4], 4, kv, kv, [0, 5], numattn.CausalMask())
     # row 0 sees key 0 only
     assert np.allclose(out[0], kv[0])
+
+
+@pytest.mark.parametrize("sentinel", [-5, 99])
+def test_sequence_without_keys_ignores_its_table_entry(rng, sentinel):
+    """A sequence that reads no row may hold any value in its continuous-batching table
+    entry (as numattn's kernels accept), and the reference must not index with it."""
+    blocks = rng.standard_normal((2, 6, 1, 4))
+    k = numattn.ContinuousBatchingKVCache(blocks, np.array([3, 0]), np.array([1, sentinel]))
+    q = rng.standard_normal((2, 2, 4))  # two queries of sequence 0, none of sequence 1
+    want = reference.cross_attention(q, [0, 2, 2], 2, k, k, [0, 0, 0])
+    assert_close(want, reference.cross_attention(q, [0, 2], 2, blocks[1:], blocks[1:],
+                                                 [0, 3]), np.float64)
+    got = numattn.cross_attention(q, np.array([0, 2, 2]), 2, k, k, np.array([0, 0, 0]))
+    assert_close(got, want, np.float64)
