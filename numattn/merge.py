@@ -132,8 +132,9 @@ def merge_states(outs, lses):
                              f"{list(out_shape[:-1])}")
     rows = int(np.prod(out_shape[:-1], dtype=np.int64))
     d = out_shape[-1]
-    part_out = np.ascontiguousarray(np.stack([np.asarray(o) for o in outs]).reshape(-1, rows, d))
-    part_lse = np.ascontiguousarray(np.stack([np.asarray(x) for x in lses]).reshape(-1, rows))
+    parts = len(outs)  # not -1 in the reshapes: rows may be 0
+    part_out = np.ascontiguousarray(np.stack([np.asarray(o) for o in outs]).reshape(parts, rows, d))
+    part_lse = np.ascontiguousarray(np.stack([np.asarray(x) for x in lses]).reshape(parts, rows))
     out = np.empty((rows, d), dtype=dtype)
     lse = np.empty(rows, dtype=dtype)
     parallel = part_out.size > SERIAL_ELEMENTS

@@ -29,6 +29,15 @@ def test_merge_states_matches_reference(dtype, rng):
     assert np.array_equal(stacked[0], out)
 
 
+@pytest.mark.parametrize("shape", [(0, 4, 8), (3, 0, 8), (2, 3, 0), (0,)])
+def test_merge_of_empty_batches_keeps_the_shape(shape):
+    """No rows (an empty batch or no heads) or D = 0: results of the parts' shape."""
+    outs = [np.zeros(shape, np.float32) for _ in range(3)]
+    lses = [np.zeros(shape[:-1], np.float32) for _ in range(3)]
+    out, lse = numattn.merge_states(outs, lses)
+    assert out.shape == shape and lse.shape == shape[:-1]
+    assert out.dtype == lse.dtype == np.float32
+
 def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch):
     from numattn import merge as merge_module
 
