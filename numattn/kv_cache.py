@@ -256,11 +256,12 @@ def _check_pair(k, v):
             f"k and v must be the same kind of input, got {type(k).__name__} and "
             f"{type(v).__name__}"
         )
-    if shape_of(k.blocks if isinstance(k, KVCache) else k) != shape_of(
-        v.blocks if isinstance(v, KVCache) else v
-    ):
-        ks = shape_of(k.blocks if isinstance(k, KVCache) else k)
-        vs = shape_of(v.blocks if isinstance(v, KVCache) else v)
+    if not isinstance(k, KVCache):
+        check_array("k", k)
+        check_array("v", v)
+    ks = shape_of(k.blocks if isinstance(k, KVCache) else k)
+    vs = shape_of(v.blocks if isinstance(v, KVCache) else v)
+    if ks != vs:
         raise ValueError(f"k and v must have the same shape, got {list(ks)} and {list(vs)}")
 
 

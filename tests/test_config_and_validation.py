@@ -110,6 +110,20 @@ def test_foreign_array_types_are_named():
         numattn.decode_attention(q, k, k, sink_weights=_ForeignTensor())
 
 
+
+@pytest.mark.parametrize("kv", [5, None, {"blocks": 1}, [[1.0]]])
+def test_k_and_v_of_the_same_non_array_kind_are_named(kv):
+    """k and v of one kind (so the pair check passes) that is no array nor cache."""
+    q = np.zeros((3, 4, 8), np.float32)
+    offsets = np.array([0, 1, 3])
+    calls = (lambda: numattn.decode_attention(q, kv, kv),
+             lambda: numattn.flash_attention_kv_cache(q, kv, kv, None,
+                                                      q_input_row_offsets=offsets),
+             lambda: numattn.cross_attention(q, offsets, 2, kv, kv, offsets))
+    for call in calls:
+        with pytest.raises(TypeError, match="k must be an array"):
+            call()
+
 class _FakeDeviceArray:
     @property
     def __cuda_array_interface__(self):
