@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import types
 import warnings
 
@@ -143,10 +144,65 @@ def _warn_uncached(exc):
 
 
 def cpu_jit(func=None, *, parallel=False):
-    """Compile ``func`` for the CPU with :data:`CPU_OPTS` (lazily, at its first call)."""
+    """Compile ``func`` for the CPU with :data:`CPU_OPTS` (lazily, at its first call).
+
+    A ``parallel=True`` binding comes as a :class:`ParallelBinding`, which calls the Numba
+    dispatcher (its attributes are the dispatcher's).
+    """
     if func is None:
         return functools.partial(cpu_jit, parallel=parallel)
-    return _cpu_jit(func, parallel)
+    if parallel:
+        return _parallel_binding(func)
+    return _cpu_jit(func, False)
+
+
+@functools.cache
+def _parallel_binding(func):
+    return ParallelBinding(func, _cpu_jit(func, True))
+
+
+_LAUNCH_LOCK = threading.Lock()
+_ONE_LAUNCH_AT_A_TIME = []  # [bool], once Numba's threading layer is known
+
+
+def _one_launch_at_a_time():
+    """Whether Numba's threading layer takes a single parallel launch at a time."""
+    if not _ONE_LAUNCH_AT_A_TIME:
+        import numba
+
+        numba.get_num_threads()  # starts the threading layer
+        _ONE_LAUNCH_AT_A_TIME.append(numba.threading_layer() == "workqueue")
+    return _ONE_LAUNCH_AT_A_TIME[0]
+
+
+class ParallelBinding:
+    """The ``parallel=True`` binding of a body, launched the way Numba's threading layer
+    can take it when several Python threads call numattn at once.
+
+    The ``omp`` and ``tbb`` layers take concurrent launches.  The ``workqueue`` layer (the
+    one Numba falls back to where it finds neither OpenMP nor TBB) terminates the process
+    when a second launch starts while one runs; there a call that finds another numattn
+    launch running computes on its own thread with the serial binding instead (the same
+    work, and the same results up to rounding).  Parallel Numba code of the application's
+    own that runs beside numattn's is beyond this guard.
+    """
+
+    def __init__(self, func, dispatcher):
+        self._func = func
+        self._dispatcher = dispatcher
+
+    def __call__(self, *args):
+        if not _one_launch_at_a_time():
+            return self._dispatcher(*args)
+        if not _LAUNCH_LOCK.acquire(blocking=False):
+            return _cpu_jit(self._func, False)(*args)
+        try:
+            return self._dispatcher(*args)
+        finally:
+            _LAUNCH_LOCK.release()
+
+    def __getattr__(self, name):  # signatures, stats, ... of the Numba dispatcher
+        return getattr(self._dispatcher, name)
 
 
 @functools.cache

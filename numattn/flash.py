@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 
 import numpy as np
 
@@ -233,18 +234,44 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     return (result, lse) if return_lse else result
 
 
-_BLAS_CONTROLLER = None
+_BLAS_LIBRARIES = None  # threadpoolctl's controllers of the BLAS libraries loaded
+_BLAS_LOCK = threading.Lock()
+_BLAS_CALLS = 0  # calls inside _blas_single_thread, from every Python thread
+_BLAS_ORIGINAL = []  # their thread counts, read while no call held BLAS to one thread
 
 
+@contextlib.contextmanager
 def _blas_single_thread():
-    """A context that holds every BLAS thread pool to one thread (cached controller)."""
-    global _BLAS_CONTROLLER
-    if _BLAS_CONTROLLER is None:
-        import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot calls SciPy's BLAS)
-        from threadpoolctl import ThreadpoolController
+    """Holds every BLAS thread pool to one thread while the flash kernel runs on the worker
+    threads (each of its GEMMs then runs on the worker that calls it), then restores them.
 
-        _BLAS_CONTROLLER = ThreadpoolController()
-    return _BLAS_CONTROLLER.limit(limits=1, user_api="blas")
+    The limit is process-wide, and calls may overlap from several Python threads.  The
+    thread counts to restore are read only when no call holds the limit (a call that read
+    them while another held it would "restore" one thread for good), and every call
+    restores them as it ends: calls that overlap may then run some GEMMs with the full
+    BLAS thread pool (slower, never wrong).  Restoring from the last call to end instead
+    would not do: threadpoolctl lets one Python thread at a time change OpenBLAS's pool and
+    ignores the others, so the last call could fail to undo the first one's limit.
+    """
+    global _BLAS_LIBRARIES, _BLAS_CALLS, _BLAS_ORIGINAL
+    with _BLAS_LOCK:
+        if _BLAS_LIBRARIES is None:
+            import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot calls SciPy's BLAS)
+            from threadpoolctl import ThreadpoolController
+
+            _BLAS_LIBRARIES = ThreadpoolController().select(user_api="blas").lib_controllers
+        if _BLAS_CALLS == 0:
+            _BLAS_ORIGINAL = [library.num_threads for library in _BLAS_LIBRARIES]
+        _BLAS_CALLS += 1
+        for library in _BLAS_LIBRARIES:
+            library.set_num_threads(1)
+    try:
+        yield
+    finally:
+        with _BLAS_LOCK:
+            _BLAS_CALLS -= 1
+            for library, num_threads in zip(_BLAS_LIBRARIES, _BLAS_ORIGINAL):
+                library.set_num_threads(num_threads)
 
 
 def _work_items(q_offsets, q_start_pos, num_keys, num_kv_heads, program, block_q, block_k,
