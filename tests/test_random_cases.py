@@ -4,10 +4,13 @@ The other modules test each feature on its own.  Here each case draws all of the
 once (mask trees and additive tensors, cache kinds and page sizes, GQA groups, head dims,
 dtypes, sinks, scales, partition counts, tile sizes, empty sequences, NaN in unused slots)
 so that their interactions are covered too.  A case is named by its seed, which
-reproduces it: ``pytest tests/test_random_cases.py -k "decode and 17"``.
+reproduces it: ``pytest tests/test_random_cases.py -k "decode and 17"``.  After a change to a
+kernel, run many more: ``NUMATTN_RANDOM_CASES=5000 pytest tests/test_random_cases.py``.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -27,8 +30,8 @@ from numattn import (
 from .conftest import requires_cuda
 from .utils import assert_close, make_kv, randn
 
-SEEDS = range(100)
-CUDA_SEEDS = range(10)
+SEEDS = range(int(os.environ.get("NUMATTN_RANDOM_CASES", "100")))
+CUDA_SEEDS = range(max(1, len(SEEDS) // 10))
 
 
 class _Draw:
