@@ -245,13 +245,13 @@ def _blas_single_thread():
     """Holds every BLAS thread pool to one thread while the flash kernel runs on the worker
     threads (each of its GEMMs then runs on the worker that calls it), then restores them.
 
-    The limit is process-wide, and calls may overlap from several Python threads.  The
-    thread counts to restore are read only when no call holds the limit (a call that read
-    them while another held it would "restore" one thread for good), and every call
-    restores them as it ends: calls that overlap may then run some GEMMs with the full
-    BLAS thread pool (slower, never wrong).  Restoring from the last call to end instead
-    would not do: threadpoolctl lets one Python thread at a time change OpenBLAS's pool and
-    ignores the others, so the last call could fail to undo the first one's limit.
+    The limit is process-wide and calls may overlap from several Python threads: the first
+    call in reads the thread counts and sets the limit, the last one out restores them (a
+    call that read them while another held the limit would "restore" one thread for good,
+    and one that restored them while another ran would leave that one's GEMMs to the whole
+    pool, several times slower).  threadpoolctl (>= 3.8) lets only one Python thread change
+    OpenBLAS's pool, the last one that did while it lives, so each change here gives that
+    control back (:func:`_set_blas_threads`).
     """
     global _BLAS_LIBRARIES, _BLAS_CALLS, _BLAS_ORIGINAL
     with _BLAS_LOCK:
@@ -262,16 +262,27 @@ def _blas_single_thread():
             _BLAS_LIBRARIES = ThreadpoolController().select(user_api="blas").lib_controllers
         if _BLAS_CALLS == 0:
             _BLAS_ORIGINAL = [library.num_threads for library in _BLAS_LIBRARIES]
+            _set_blas_threads([1] * len(_BLAS_LIBRARIES))
         _BLAS_CALLS += 1
-        for library in _BLAS_LIBRARIES:
-            library.set_num_threads(1)
     try:
         yield
     finally:
         with _BLAS_LOCK:
             _BLAS_CALLS -= 1
-            for library, num_threads in zip(_BLAS_LIBRARIES, _BLAS_ORIGINAL):
-                library.set_num_threads(num_threads)
+            if _BLAS_CALLS == 0:
+                _set_blas_threads(_BLAS_ORIGINAL)
+
+
+def _set_blas_threads(counts):
+    """Sets the BLAS libraries' thread counts, then gives up threadpoolctl's control of
+    OpenBLAS's pool if this thread took it, so that the next change, from any thread,
+    takes effect.  A thread of the application's own that holds that control keeps it
+    (then these changes do nothing)."""
+    for library, num_threads in zip(_BLAS_LIBRARIES, counts):
+        library.set_num_threads(num_threads)
+        release = getattr(library, "clear_controlling_thread", None)  # threadpoolctl >= 3.8
+        if release is not None:
+            release()
 
 
 def _work_items(q_offsets, q_start_pos, num_keys, num_kv_heads, program, block_q, block_k,

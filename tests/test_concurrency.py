@@ -6,6 +6,7 @@ such calls overlap on the worker threads.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import subprocess
@@ -70,11 +71,24 @@ def test_overlapping_calls_agree_with_the_reference_and_keep_blas_threads(rng, m
     _on_worker_threads(monkeypatch.setattr)
     import scipy.linalg.cython_blas  # noqa: F401  (the BLAS flash calls, loaded beforehand)
 
+    real_limit = flash._blas_single_thread
+    seen_at_kernel_end = []
+
+    @contextlib.contextmanager
+    def recording_limit():
+        with real_limit():
+            yield
+            seen_at_kernel_end.append(_blas_threads())
+
+    monkeypatch.setattr(flash, "_blas_single_thread", recording_limit)
     before = _blas_threads()
     errors = _run_concurrently(rng)
     assert not errors, errors[:3]
-    # every call restored the counts read while no call held BLAS (a call that read them
-    # while another held it would have restored one thread for good)
+    # every kernel ended with BLAS still on one thread, whichever Python thread set it and
+    # whatever ended meanwhile (else its GEMMs ran on the whole pool, several times slower)
+    assert seen_at_kernel_end and all(n == 1 for seen in seen_at_kernel_end for _, n in seen)
+    # the counts read while no call held BLAS are back (a call that read them while
+    # another held it would have restored one thread for good)
     assert _blas_threads() == before
 
 
