@@ -275,9 +275,9 @@ def _blas_single_thread():
 
 def _set_blas_threads(counts):
     """Sets the BLAS libraries' thread counts, then gives up threadpoolctl's control of
-    OpenBLAS's pool if this thread took it, so that the next change, from any thread,
-    takes effect.  A thread of the application's own that holds that control keeps it
-    (then these changes do nothing)."""
+    OpenBLAS's pool if this thread holds it, so that the next change, from any thread,
+    takes effect.  Another thread that holds that control (one of the application's own
+    that set a limit and lives on) keeps it, and then these changes do nothing."""
     for library, num_threads in zip(_BLAS_LIBRARIES, counts):
         library.set_num_threads(num_threads)
         release = getattr(library, "clear_controlling_thread", None)  # threadpoolctl >= 3.8
