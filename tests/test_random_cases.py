@@ -3,7 +3,9 @@
 The other modules test each feature on its own.  Here each case draws all of them at
 once (mask trees and additive tensors, cache kinds and page sizes, GQA groups, head dims,
 dtypes, sinks, scales, partition counts, tile sizes, empty sequences, NaN in unused slots)
-so that their interactions are covered too.  A case is named by its seed, which
+so that their interactions are covered too; other cases corrupt one index entry (cache
+lengths, page table, offsets), which must be refused before anything is written or be
+harmless.  A case is named by its seed, which
 reproduces it: ``pytest tests/test_random_cases.py -k "decode and 17"``.  After a change to a
 kernel, run many more: ``NUMATTN_RANDOM_CASES=5000 pytest tests/test_random_cases.py``.
 """
@@ -192,6 +194,55 @@ def _cross_case(seed, device="cpu"):
     _compare(got, want, dtype)
 
 
+#: Values a corrupted index entry takes: negative, past the end, near the int32 and int64
+#: limits.
+_BAD_INDICES = (-1, -5, 10**5, 2**31, 2**40, 2**62, -(2**62))
+
+
+def _corrupted_case(seed, device="cpu"):
+    """One entry of the cache lengths, the page table or an offset array set to a bad value:
+    the call raises ValueError or TypeError and leaves ``out`` as it was, or (when no token
+    needs the entry) agrees with the reference."""
+    draw = _Draw(seed, small=device == "cuda")
+    op = draw.pick(["decode", "flash", "cross"] if device == "cpu" else ["decode", "cross"])
+    batch, heads, kv_heads, head_dim = int(draw.rng.integers(1, 4)), 4, 2, 8
+    kind = draw.pick(["continuous", "paged"])
+    cache_lengths = draw.lengths(batch, 30, 30)
+    q_lens = np.ones(batch, np.int64) if op == "decode" else draw.lengths(batch, 5, 5)
+    k, v = draw.cache(kind, cache_lengths, q_lens, kv_heads, head_dim, np.float32)
+    arrays = {"cache_lengths": k.cache_lengths.copy(), "lookup_table": k.lookup_table.copy(),
+              "q_offsets": np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)}
+    arrays["kv_offsets"] = arrays["q_offsets"].copy()
+    bad = arrays[draw.pick(sorted(arrays))]
+    bad[tuple(int(draw.rng.integers(n)) for n in bad.shape)] = draw.pick(_BAD_INDICES)
+    try:
+        k = type(k)(k.blocks, arrays["cache_lengths"], arrays["lookup_table"])
+        v = type(v)(v.blocks, arrays["cache_lengths"], arrays["lookup_table"])
+    except (ValueError, TypeError):
+        return
+    q_offsets, kv_offsets = arrays["q_offsets"], arrays["kv_offsets"]
+    q = randn(draw.rng, (batch, heads, head_dim) if op == "decode"
+              else (int(q_lens.sum()), heads, head_dim), np.float32)
+    out = np.full(q.shape, 7.0, np.float32)
+
+    def call(module, **options):  # numattn (with out=) or its reference
+        if op == "decode":
+            return module.decode_attention(q, k, v, CausalMask(), **options)
+        if op == "flash":
+            return module.flash_attention_kv_cache(q, k, v, CausalMask(),
+                                                   q_input_row_offsets=q_offsets, **options)
+        return module.cross_attention(q, q_offsets, int(q_lens.max()), k, v, kv_offsets,
+                                      CausalMask(), **options)
+
+    options = {"out": out} if device == "cpu" else {"out": out, "device": device}
+    try:
+        got = call(numattn, **options)
+    except (ValueError, TypeError):
+        assert np.all(out == 7.0), "out written before the error"
+        return
+    assert_close(got, call(reference), np.float32)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_decode(seed):
     _decode_case(seed)
@@ -219,3 +270,14 @@ def test_decode_cuda(seed):
 @pytest.mark.parametrize("seed", CUDA_SEEDS)
 def test_cross_cuda(seed):
     _cross_case(seed, device="cuda")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_corrupted_indices(seed):
+    _corrupted_case(seed)
+
+
+@requires_cuda
+@pytest.mark.parametrize("seed", CUDA_SEEDS)
+def test_corrupted_indices_cuda(seed):
+    _corrupted_case(seed, device="cuda")
