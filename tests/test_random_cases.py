@@ -5,9 +5,9 @@ once (mask trees and additive tensors, cache kinds and page sizes, GQA groups, h
 dtypes, sinks, scales, partition counts, tile sizes, empty sequences, NaN in unused slots)
 so that their interactions are covered too; other cases corrupt one index entry (cache
 lengths, page table, offsets), which must be refused before anything is written or be
-harmless.  A case is named by its seed, which
-reproduces it: ``pytest tests/test_random_cases.py -k "decode and 17"``.  After a change to a
-kernel, run many more: ``NUMATTN_RANDOM_CASES=5000 pytest tests/test_random_cases.py``.
+harmless.  A case is named by its seed, which reproduces it:
+``pytest tests/test_random_cases.py -k "decode and 17"``.  After a change to a kernel, run
+many more: ``NUMATTN_RANDOM_CASES=5000 pytest tests/test_random_cases.py``.
 """
 
 from __future__ import annotations
