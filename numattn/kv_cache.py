@@ -256,9 +256,9 @@ def _check_pair(k, v):
             f"k and v must be the same kind of input, got {type(k).__name__} and "
             f"{type(v).__name__}"
         )
-    if not isinstance(k, KVCache):
-        check_array("k", k)
-        check_array("v", v)
+    if not isinstance(k, KVCache):  # dense [B, N, Hkv, D] or ragged [T, Hkv, D] arrays
+        check_array("k", k, ndim=(3, 4))
+        check_array("v", v, ndim=(3, 4))
     ks = shape_of(k.blocks if isinstance(k, KVCache) else k)
     vs = shape_of(v.blocks if isinstance(v, KVCache) else v)
     if ks != vs:
@@ -285,8 +285,6 @@ def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
     _check_pair(k, v)
     if isinstance(k, KVCache):
         return _resolve_cache(k, v, batch=batch, dtype=dtype, kv_lens=kv_lens)
-    check_array("k", k, ndim=(3, 4))
-    check_array("v", v, ndim=(3, 4))
     for name, x in (("k", k), ("v", v)):
         if dtype_of(x) != dtype:
             raise TypeError(f"{name} must have the queries' dtype {dtype}, got {dtype_of(x)}")

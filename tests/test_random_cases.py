@@ -6,8 +6,8 @@ dtypes, sinks, scales, partition counts, tile sizes, empty sequences, NaN in unu
 so that their interactions are covered too; other cases corrupt one index entry (cache
 lengths, page table, offsets), which must be refused before anything is written or be
 harmless.  A case is named by its seed, which reproduces it:
-``pytest tests/test_random_cases.py -k "decode and 17"``.  After a change to a kernel, run
-many more: ``NUMATTN_RANDOM_CASES=5000 pytest tests/test_random_cases.py``.
+``pytest "tests/test_random_cases.py::test_random_case[decode-17]"``.  After a change to a
+kernel, run many more: ``NUMATTN_RANDOM_CASES=5000 pytest tests/test_random_cases.py``.
 """
 
 from __future__ import annotations
@@ -244,40 +244,22 @@ def _corrupted_case(seed, device="cpu"):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_decode(seed):
-    _decode_case(seed)
+@pytest.mark.parametrize("case", [_decode_case, _corrupted_case],
+                         ids=["decode", "corrupted_indices"])
+def test_random_case(case, seed):
+    case(seed)
 
 
 @pytest.mark.usefixtures("both_cpu_paths")
 @pytest.mark.parametrize("seed", SEEDS)
-def test_flash(seed):
-    _flash_case(seed)
-
-
-@pytest.mark.usefixtures("both_cpu_paths")
-@pytest.mark.parametrize("seed", SEEDS)
-def test_cross(seed):
-    _cross_case(seed)
+@pytest.mark.parametrize("case", [_flash_case, _cross_case], ids=["flash", "cross"])
+def test_random_case_both_cpu_paths(case, seed):
+    case(seed)
 
 
 @requires_cuda
 @pytest.mark.parametrize("seed", CUDA_SEEDS)
-def test_decode_cuda(seed):
-    _decode_case(seed, device="cuda")
-
-
-@requires_cuda
-@pytest.mark.parametrize("seed", CUDA_SEEDS)
-def test_cross_cuda(seed):
-    _cross_case(seed, device="cuda")
-
-
-@pytest.mark.parametrize("seed", SEEDS)
-def test_corrupted_indices(seed):
-    _corrupted_case(seed)
-
-
-@requires_cuda
-@pytest.mark.parametrize("seed", CUDA_SEEDS)
-def test_corrupted_indices_cuda(seed):
-    _corrupted_case(seed, device="cuda")
+@pytest.mark.parametrize("case", [_decode_case, _cross_case, _corrupted_case],
+                         ids=["decode", "cross", "corrupted_indices"])
+def test_random_case_cuda(case, seed):
+    case(seed, device="cuda")
