@@ -57,6 +57,19 @@ def test_cli_check_passes_on_cpu():
     assert re.search(r"^\d+ passed, 0 failed$", result.stdout, flags=re.M)
 
 
+def test_bench_decode_script_runs_a_case_on_one_thread():
+    script = ROOT / "benchmarks" / "bench_decode.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--case", "2,4,2,300,16", "--repeat", "1",
+         "--threads", "1"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 threads" in result.stdout
+    assert re.search(r"^B=2 H=4/2 N=300 D=16 .* \d+%", result.stdout, flags=re.M)
+    result = subprocess.run([sys.executable, str(script), "--threads", "0"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 2 and "--threads must be >= 1" in result.stderr
+
+
 def test_check_reports_failures(monkeypatch):
     from numattn import check
 
