@@ -576,14 +576,16 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
         total += merge_weight(part_m[b, p, h], big) * part_l[b, p, h]
     out_scale, row_lse = finish_row(big, total, sinks[h], has_sink)
     head_dim = part_acc.shape[3]
-    for d in range(d0, head_dim, d_step):
-        out[b, h, d] = 0
-    for p in range(num_parts):  # one weight per partition, then its whole row
-        w = merge_weight(part_m[b, p, h], big)
-        for d in range(d0, head_dim, d_step):
-            out[b, h, d] += w * part_acc[b, p, h, d]
-    for d in range(d0, head_dim, d_step):
-        out[b, h, d] *= out_scale
+    out_row = out[b, h]
+    for p in range(num_parts):  # one weight per partition (out_scale folded in), its row
+        w = merge_weight(part_m[b, p, h], big) * out_scale
+        acc_row = part_acc[b, p, h]
+        if p == 0:
+            for d in range(d0, head_dim, d_step):
+                out_row[d] = w * acc_row[d]
+        else:
+            for d in range(d0, head_dim, d_step):
+                out_row[d] += w * acc_row[d]
     if d0 == 0:
         lse[b, h] = row_lse
 
