@@ -172,7 +172,7 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
             f"{layout.head_dim}"
         )
     group = check_heads(num_heads, layout.num_kv_heads)
-    max_keys = int(layout.num_keys.max(initial=0)) if batch else 0
+    max_keys = layout.max_keys
     additive4 = additive_4d(additive, batch=batch, num_heads=num_heads,
                             max_q_len=q_max_seq_len, max_keys=max_keys, dtype=dtype)
     out = check_out(out, (num_tokens, num_heads, head_dim), dtype)
@@ -254,7 +254,8 @@ def _resolve_kv(k, v, kv_input_row_offsets, q_offsets, batch, dtype, device):
                 f"kv_input_row_offsets gives sequence {b} {kv_lens[b]} key rows but the dense "
                 f"k holds N = {n} per sequence"
             )
-        layout = layout._replace(num_keys=kv_lens)
+        layout = layout._replace(num_keys=kv_lens, max_keys=int(kv_lens.max(initial=0)),
+                                 total_keys=int(kv_lens.sum()))
     return layout
 
 

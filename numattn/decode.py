@@ -222,7 +222,7 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
     scale = check_scale(scale, head_dim, dtype)
     sinks = check_sink_weights(sink_weights, num_heads, dtype)
     program, tensor = compile_mask(mask)
-    max_keys = int(layout.num_keys.max()) if batch else 0
+    max_keys = layout.max_keys
     additive = additive_4d(tensor, batch=batch, num_heads=num_heads, max_q_len=1,
                            max_keys=max_keys, dtype=dtype, exact_rows=True)
     device = resolve_device(
@@ -330,7 +330,7 @@ def _decode_cpu(q, args, num_partitions, out, return_lse):
     block_k = args.config.block_k
     # Little work, or a single work item, runs on the calling thread (waking the worker
     # threads costs more), and there an automatic count is one partition per sequence.
-    serial = 2 * int(layout.num_keys.sum()) * _row_bytes(layout, dtype) <= SERIAL_KV_BYTES
+    serial = 2 * layout.total_keys * _row_bytes(layout, dtype) <= SERIAL_KV_BYTES
     if serial and num_partitions is None:
         parts = 1
     else:
@@ -391,7 +391,7 @@ def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     group = num_heads // num_kv_heads
     dtype = q.dtype
     num_rows = max_q_len * num_heads
-    max_keys = int(layout.num_keys.max()) if batch else 0
+    max_keys = layout.max_keys
     # a tile holds max_q_len times decode's work: shorter partitions pay off as well
     parts = _partition_count(None, max_keys, batch, config.block_k, MULTI_QUERY_WORKERS,
                              max(1, MIN_TILES_PER_PARTITION // max_q_len))

@@ -208,7 +208,7 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     program, additive = compile_mask(mask)
     if additive is not None and not isinstance(additive, np.ndarray):
         raise TypeError(f"the additive mask must be a NumPy array, got {type(additive).__name__}")
-    max_keys = int(layout.num_keys.max()) if batch else 0
+    max_keys = layout.max_keys
     additive4 = additive_4d(additive, batch=batch, num_heads=num_heads, max_q_len=s_len,
                             max_keys=max_keys, dtype=dtype,
                             exact_rows=q_input_row_offsets is None)

@@ -208,6 +208,8 @@ class KVLayout(NamedTuple):
     num_keys: np.ndarray  # int64 [B]: keys each sequence attends over
     num_kv_heads: int
     head_dim: int
+    max_keys: int  # num_keys.max() (0 for no sequence)
+    total_keys: int  # num_keys.sum()
 
 
 def _contiguous(x):
@@ -296,7 +298,7 @@ def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
         table = (np.arange(batch, dtype=np.int64) * step).reshape(batch, 1)
         return KVLayout(
             k, v, max(n, 1), table, np.zeros(batch, np.int64), np.zeros(batch, np.int64),
-            np.full(batch, n, np.int64), hkv, d,
+            np.full(batch, n, np.int64), hkv, d, n if batch else 0, batch * n,
         )
     k = _contiguous(k)
     v = _contiguous(v)
@@ -306,9 +308,11 @@ def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
     kv_offsets = check_row_offsets("kv_input_row_offsets", kv_offsets, t, "k.shape[0]",
                                    batch=batch)
     table = np.zeros((batch, 1), dtype=np.int64)
+    num_keys = np.diff(kv_offsets)
     return KVLayout(
         k.reshape(1, t, hkv, d), v.reshape(1, t, hkv, d), max(t, 1), table,
-        kv_offsets[:-1].copy(), np.zeros(batch, np.int64), np.diff(kv_offsets), hkv, d,
+        kv_offsets[:-1].copy(), np.zeros(batch, np.int64), num_keys, hkv, d,
+        int(num_keys.max(initial=0)), int(kv_offsets[-1] - kv_offsets[0]),
     )
 
 
@@ -344,7 +348,7 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
     k_pages, v_pages, step = _paged_views(k.blocks, v.blocks)
     if table.shape[0] != batch:  # fixed at construction; checked again before reading it
         raise ValueError(f"{cls}.lookup_table has {table.shape[0]} rows for {batch} sequences")
-    error, b, j, num_keys, kernel_table = cpu_jit(_check_cache_tables)(
+    error, b, j, num_keys, max_keys, total_keys, kernel_table = cpu_jit(_check_cache_tables)(
         lengths, kv_lens, table if table.ndim == 2 else table.reshape(batch, 1), capacity, pages,
         page_size, step,
     )
@@ -372,7 +376,7 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
         )
     return KVLayout(
         k_pages, v_pages, max(page_size, 1), kernel_table, np.zeros(batch, np.int64), lengths,
-        num_keys, hkv, d,
+        num_keys, hkv, d, max_keys, total_keys,
     )
 
 
@@ -384,24 +388,28 @@ def _check_cache_tables(lengths, kv_lens, table, capacity, num_pages, page_size,
     arrays cost ~1 us each, a dozen of them per call); nothing here raises.
 
     ``table`` is ``[B, P]`` (continuous batching: ``P = 1``, a sequence's page is its slot).
-    Returns ``(error, b, j, num_keys, kernel_table)``: ``error`` 0, or
+    Returns ``(error, b, j, num_keys, max_keys, total_keys, kernel_table)``: ``error`` 0, or
     ``_NEGATIVE_LENGTH`` / ``_OVER_CAPACITY`` for sequence ``b`` (``cache_lengths[b] +
     kv_lens[b]`` past ``capacity``, compared with the room left so that lengths near the
     int64 limit cannot wrap), or ``_BAD_PAGE`` for entry ``(b, j)`` of a page the sequence
-    uses that is outside ``[0, num_pages)``.  ``num_keys = cache_lengths + kv_lens``;
-    ``kernel_table [B, P]`` is the table times ``step`` (see :func:`_page_view`) with 0 in
+    uses that is outside ``[0, num_pages)``.  ``num_keys = cache_lengths + kv_lens``, its
+    largest entry and its sum (0 for no sequence); ``kernel_table [B, P]`` is the table times ``step`` (see :func:`_page_view`) with 0 in
     the entries no token uses, which may hold any sentinel.
     """
     batch, pages_per_row = table.shape
     num_keys = np.empty(batch, dtype=np.int64)
     kernel_table = np.zeros((batch, pages_per_row), dtype=np.int64)
+    max_keys = 0
+    total_keys = 0
     for b in range(batch):
         length = lengths[b]
         if length < 0:
-            return _NEGATIVE_LENGTH, b, 0, num_keys, kernel_table
+            return _NEGATIVE_LENGTH, b, 0, num_keys, 0, 0, kernel_table
         if length > capacity or kv_lens[b] > capacity - length:
-            return _OVER_CAPACITY, b, 0, num_keys, kernel_table
+            return _OVER_CAPACITY, b, 0, num_keys, 0, 0, kernel_table
         num_keys[b] = length + kv_lens[b]
+        max_keys = max(max_keys, num_keys[b])
+        total_keys += num_keys[b]
     for b in range(batch):
         if page_size == 0:
             used_pages = pages_per_row if num_keys[b] > 0 else 0
@@ -410,9 +418,9 @@ def _check_cache_tables(lengths, kv_lens, table, capacity, num_pages, page_size,
         for j in range(used_pages):
             page = table[b, j]
             if page < 0 or page >= num_pages:
-                return _BAD_PAGE, b, j, num_keys, kernel_table
+                return _BAD_PAGE, b, j, num_keys, 0, 0, kernel_table
             kernel_table[b, j] = page * step
-    return 0, 0, 0, num_keys, kernel_table
+    return 0, 0, 0, num_keys, max_keys, total_keys, kernel_table
 
 
 def store_kv(cache, new_rows, input_row_offsets):
