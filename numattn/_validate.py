@@ -8,6 +8,8 @@ when an argument is rejected.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ._cuda import is_device_array
@@ -128,7 +130,7 @@ def check_scale(scale, head_dim, dtype=np.float64):
     """``None`` means ``1 / sqrt(D)``; otherwise a real number, finite in ``dtype`` (the
     kernels scale in the queries' dtype)."""
     if scale is None:
-        return 1.0 / float(np.sqrt(head_dim)) if head_dim > 0 else 1.0
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     if isinstance(scale, np.ndarray) and scale.ndim == 0 and scale.dtype.kind in "iuf":
         scale = scale.item()  # a 0-d array holding a number
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
