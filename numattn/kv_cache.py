@@ -393,8 +393,9 @@ def _check_cache_tables(lengths, kv_lens, table, capacity, num_pages, page_size,
     kv_lens[b]`` past ``capacity``, compared with the room left so that lengths near the
     int64 limit cannot wrap), or ``_BAD_PAGE`` for entry ``(b, j)`` of a page the sequence
     uses that is outside ``[0, num_pages)``.  ``num_keys = cache_lengths + kv_lens``, its
-    largest entry and its sum (0 for no sequence); ``kernel_table [B, P]`` is the table times ``step`` (see :func:`_page_view`) with 0 in
-    the entries no token uses, which may hold any sentinel.
+    largest entry and its sum (0 for no sequence); ``kernel_table [B, P]`` is the table
+    times ``step`` (see :func:`_page_view`) with 0 in the entries no token uses, which may
+    hold any sentinel.
     """
     batch, pages_per_row = table.shape
     num_keys = np.empty(batch, dtype=np.int64)
