@@ -51,13 +51,16 @@ def problem(rng, batch, q_len, num_keys):
 def on_path(fn, decode_kernels):
     """``fn`` run with every problem sent to decode's kernels, or to the flash kernel."""
     def run():
-        saved = flash.MULTI_QUERY_MAX_LEN, flash.MULTI_QUERY_MIN_WORK
-        flash.MULTI_QUERY_MAX_LEN = 2**62 if decode_kernels else 0
-        flash.MULTI_QUERY_MIN_WORK = -1  # every case has all its rows in use
+        names = ("MULTI_QUERY_MAX_LEN", "MULTI_QUERY_MIN_WORK", "MULTI_QUERY_MIN_KEYS_PER_ROW")
+        saved = [getattr(flash, name) for name in names]
+        # every case has all its rows in use
+        for name, value in zip(names, (2**62 if decode_kernels else 0, -1, 0)):
+            setattr(flash, name, value)
         try:
             fn()
         finally:
-            flash.MULTI_QUERY_MAX_LEN, flash.MULTI_QUERY_MIN_WORK = saved
+            for name, value in zip(names, saved):
+                setattr(flash, name, value)
     return run
 
 

@@ -658,7 +658,8 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
             n = k1 - k0
             # the tile's rows in block order, and the first block of the next tile
             ahead = n + _tile_rows(lookup_table, page_size, row_base, b, k0, n,
-                                   min(tile_keys, end - k1), pages, slots, keys)
+                                   min(tile_keys, end - k1), status == TILE_NONE, pages,
+                                   slots, keys)
             scores = s_buf[:num_rows * n].reshape(num_rows, n)
             hidden = h_buf[:num_rows * n].reshape(num_rows, n)  # filled for masked tiles
             # Hidden keys are scored too (their rows are in range) and then replaced by
@@ -697,17 +698,22 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
 
 
 @body
-def _tile_rows(lookup_table, page_size, row_base, b, k0, n, next_n, pages, slots, keys):
+def _tile_rows(lookup_table, page_size, row_base, b, k0, n, next_n, interleave, pages, slots,
+               keys):
     """Block order of a tile of ``n`` keys from ``k0``: position ``r`` holds key
     ``k0 + keys[r]``, whose row is ``(pages[r], slots[r])`` (CPU only).
 
-    The kernels take four positions (a block) at a time.  Block ``r`` holds keys ``r``,
-    ``r + n/4``, ``r + n/2`` and ``r + 3n/4``: four streams, each walking a quarter of the
-    tile row after row (adjacent keys are adjacent rows).  Four adjacent rows read
-    interleaved are read at about half the rate on this hardware, as each row is a page of
-    its own where the hardware prefetcher starts again.  The last ``n % 4`` keys keep their
-    order.  The order changes which keys share a block, not the result (softmax and the
-    weighted sum do not depend on the order of the keys).
+    The kernels take four positions (a block) at a time.  With ``interleave`` (a tile
+    the mask shows whole), block ``r`` holds keys ``r``, ``r + n/4``, ``r + n/2`` and
+    ``r + 3n/4``: four streams, each walking a quarter of the tile row after row (adjacent
+    keys are adjacent rows).  Four adjacent rows read interleaved are read at about half
+    the rate on this hardware, as each row is a page of its own where the hardware
+    prefetcher starts again.  The last ``n % 4`` keys keep their order.  A tile the mask
+    hides in part keeps the keys in order instead: its hidden keys then share a few blocks
+    (the causal tail, the start of a window), where in four streams every block would hold
+    one and go through the key-by-key path of :func:`_tile_values`.  The order changes
+    which keys share a block, not the result up to rounding (softmax and the weighted sum
+    do not depend on the order of the keys).
 
     The positions from ``n`` on hold the rows of the next tile's first block (the next tile
     has ``next_n`` keys), whose first lines the end of this tile prefetches.  Returns how
@@ -719,7 +725,7 @@ def _tile_rows(lookup_table, page_size, row_base, b, k0, n, next_n, pages, slots
     step = 0  # i % quarter and i // quarter, counted (no division per key)
     stream = 0
     for i in range(n):  # walk the slots page by page
-        r = step * 4 + stream if i < 4 * quarter else i
+        r = step * 4 + stream if interleave and i < 4 * quarter else i
         pages[r] = page
         slots[r] = slot
         keys[r] = i

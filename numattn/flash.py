@@ -396,7 +396,8 @@ def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_addi
     work = 2 * int(np.dot(q_lens, layout.num_keys)) * num_heads * q.shape[2]
     batch = q_offsets.shape[0] - 1
     if (max_q_len <= MULTI_QUERY_MAX_LEN and work > MULTI_QUERY_MIN_WORK
-            and total >= MULTI_QUERY_MIN_ACTIVE * batch * max_q_len):
+            and total >= MULTI_QUERY_MIN_ACTIVE * batch * max_q_len
+            and layout.max_keys >= MULTI_QUERY_MIN_KEYS_PER_ROW * max_q_len):
         decode.run_multi_query_cpu(
             q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
             bool(has_additive), scale, sink_weights, config, out, lse,
@@ -433,14 +434,21 @@ def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_addi
 #: such work.
 SERIAL_MULTIPLY_ADDS = 2**21
 #: Problems with at most MULTI_QUERY_MAX_LEN query rows per sequence, more than
-#: MULTI_QUERY_MIN_WORK multiply-adds and at least MULTI_QUERY_MIN_ACTIVE of their
-#: ``B * max_q_len`` rows in use run on decode's kernels
+#: MULTI_QUERY_MIN_WORK multiply-adds, at least MULTI_QUERY_MIN_ACTIVE of their
+#: ``B * max_q_len`` rows in use and at least MULTI_QUERY_MIN_KEYS_PER_ROW keys (longest
+#: sequence) per query row run on decode's kernels
 #: (:func:`numattn.decode.run_multi_query_cpu`, which computes every sequence as
-#: ``max_q_len`` rows long); others on the kernel below (fewer fixed costs on tiny problems,
-#: no work on rows a sequence does not have).
+#: ``max_q_len`` rows long and reads each K and V row once for all of them); others on the
+#: kernel below (fewer fixed costs on tiny problems, no work on rows a sequence does not
+#: have, and the faster of the two where the cache is short for the rows: there the
+#: decode kernels spend their time on the mask's partly hidden tail and one work item per
+#: sequence).  Flash kernel time over decode kernels' time, H=32 Hkv=8 D=128, B=1 and 4,
+#: medians of 7 rounds each: at 64 keys per row causal chunks 0.99-1.17, cross attention
+#: 0.94-1.27; at 32, 0.88-1.07 and 1.00-1.19; at 16 and fewer, 0.57-1.05 and 0.67-1.02.
 MULTI_QUERY_MAX_LEN = 16
 MULTI_QUERY_MIN_WORK = SERIAL_MULTIPLY_ADDS
 MULTI_QUERY_MIN_ACTIVE = 0.5
+MULTI_QUERY_MIN_KEYS_PER_ROW = 32
 _CHUNK = 16  # keys per mask sub-tile when a PARTIAL tile is resolved row by row
 _SUB_Q = 16  # query positions per sub-tile of a PARTIAL tile (each trimmed to its keys)
 

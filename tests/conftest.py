@@ -28,6 +28,7 @@ def both_cpu_paths(request, monkeypatch):
     monkeypatch.setattr(flash, "MULTI_QUERY_MAX_LEN", 2**62 if everything else 0)
     monkeypatch.setattr(flash, "MULTI_QUERY_MIN_WORK", -1)
     monkeypatch.setattr(flash, "MULTI_QUERY_MIN_ACTIVE", 0)
+    monkeypatch.setattr(flash, "MULTI_QUERY_MIN_KEYS_PER_ROW", 0)
     return request.param
 
 

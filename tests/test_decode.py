@@ -402,9 +402,10 @@ def test_cpu_tiles_of_short_rows_are_longer():
 
 
 def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
-    """Flash runs problems of <= flash.MULTI_QUERY_MAX_LEN rows per sequence, with enough work
-    and most rows in use, on decode's kernels; others on its own kernel.  Both agree with
-    the reference (every flash and cross test also runs through both paths)."""
+    """Flash runs problems of <= flash.MULTI_QUERY_MAX_LEN rows per sequence, with enough work,
+    most rows in use and a cache long for the rows, on decode's kernels; others on its own
+    kernel.  Both agree with the reference (every flash and cross test also runs through
+    both paths)."""
     from numattn import decode as decode_module
 
     routed = record_argument(monkeypatch, decode_module, "run_multi_query_cpu", 3)  # max_q_len
@@ -425,7 +426,10 @@ def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
     run([1] * 6 + [16], 600)  # 22 of 7 x 16 rows in use: the flash kernel
     run([4, 4], 10)  # tiny: the flash kernel (fewer fixed costs)
     run([17, 17], 600)  # more rows: the flash kernel's GEMMs
+    run([16, 16], 300)  # 316 keys, under 32 per row: the flash kernel
     assert routed == [4]
+    run([16, 16], 600)  # 616 keys, 38 per row: decode's kernels
+    assert routed == [4, 16]
 
 
 def test_out_and_repeatability(rng):
