@@ -212,7 +212,11 @@ def test_plain_python_definitions_match(rng):
 
 @pytest.mark.parametrize("num_keys", [1, 3, 4, 9, 128, 130])
 @pytest.mark.parametrize("next_keys", [0, 2, 128])
-def test_block_order_is_a_permutation_in_quarters(num_keys, next_keys, rng):
+@pytest.mark.parametrize("interleave", [True, False])
+def test_block_order_is_a_permutation_in_quarters_or_in_order(num_keys, next_keys, interleave,
+                                                              rng):
+    """Four streams (a quarter of the tile each) for a tile the mask shows whole, the keys in
+    order for one it hides in part."""
     page_size, k0 = 5, 7
     pages_per_seq = -(-(k0 + num_keys + next_keys + 3) // page_size)
     table = rng.permutation(2 * pages_per_seq).reshape(2, pages_per_seq)
@@ -220,8 +224,8 @@ def test_block_order_is_a_permutation_in_quarters(num_keys, next_keys, rng):
     size = num_keys + PREFETCH_KEYS
     pages, slots = np.full(size, -1), np.full(size, -1)
     keys = np.full(num_keys, -1)
-    ahead = _tile_rows(table, page_size, row_base, 1, k0, num_keys, next_keys, pages, slots,
-                       keys)
+    ahead = _tile_rows(table, page_size, row_base, 1, k0, num_keys, next_keys, interleave,
+                       pages, slots, keys)
 
     def row_of(key):
         p = row_base[1] + k0 + key
@@ -230,7 +234,7 @@ def test_block_order_is_a_permutation_in_quarters(num_keys, next_keys, rng):
     assert sorted(keys) == list(range(num_keys))
     for r in range(num_keys):
         assert (pages[r], slots[r]) == row_of(keys[r])
-    quarter = num_keys // 4
+    quarter = num_keys // 4 if interleave else 0
     for m in range(quarter):  # block m: one key from each quarter of the tile
         assert list(keys[4 * m:4 * m + 4]) == [m, m + quarter, m + 2 * quarter, m + 3 * quarter]
     assert list(keys[4 * quarter:]) == list(range(4 * quarter, num_keys))
