@@ -39,6 +39,7 @@ import numpy as np
 from . import _simd
 from ._cuda import is_device_array, require_cuda, resolve_device
 from ._jit import body, cpu_jit, cuda, cuda_kernel, prange
+from ._schedule import zigzag_schedule
 from ._simd import (
     prefetch_row,
     scores_block_1,
@@ -360,15 +361,39 @@ def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     part_m = np.empty((batch, parts, num_rows), dtype)
     part_l = np.empty((batch, parts, num_rows), dtype)
     part_acc = np.empty((batch, parts, num_rows, q.shape[2]), dtype)
+    if parallel:
+        import numba
+
+        item_order, thread_starts = cpu_jit(_partition_schedule)(
+            q_offsets, layout.num_keys, parts, block_k, numba.get_num_threads()
+        )
+    else:
+        item_order = np.arange(batch * parts, dtype=np.int64)
+        thread_starts = np.array([0, batch * parts], dtype=np.int64)
     _simd.register()
     cpu_jit(_decode_partitions_cpu, parallel=parallel)(
         q, q_offsets, q_start_pos, max_q_len, layout.k_blocks, layout.v_blocks,
         layout.page_size, layout.lookup_table, layout.row_base, layout.num_keys, program,
         additive, has_additive, scale, block_k, tile_keys, dtype == np.float32,
-        _prefetch_lines(layout, dtype), _whole_tile_values(layout, dtype), part_m, part_l,
-        part_acc,
+        _prefetch_lines(layout, dtype), _whole_tile_values(layout, dtype), item_order,
+        thread_starts, part_m, part_l, part_acc,
     )
     return part_m, part_l, part_acc
+
+
+def _partition_schedule(q_offsets, num_keys, num_partitions, block_k, num_threads):
+    """``item_order, thread_starts`` of :func:`_decode_partitions_cpu`: its (sequence,
+    partition) items dealt to ``num_threads`` threads by their keys
+    (:func:`numattn._schedule.zigzag_schedule`; a sequence without query rows costs 0), so
+    that sequences of different lengths leave no thread idle (compiled)."""
+    batch = num_keys.shape[0]
+    cost = np.zeros(batch * num_partitions, dtype=np.int64)
+    for b in range(batch):
+        if q_offsets[b + 1] > q_offsets[b]:
+            for part in range(num_partitions):
+                start, end = partition_bounds(num_keys[b], part, num_partitions, block_k)
+                cost[b * num_partitions + part] = end - start
+    return zigzag_schedule(cost, num_threads)
 
 
 def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
@@ -596,8 +621,10 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
 def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blocks,
                            page_size, lookup_table, row_base, num_keys, program, additive,
                            has_additive, scale, block_k, tile_keys, single, prefetch_lines,
-                           tile_values, part_m, part_l, part_acc):
-    """Partial states ``part_* [B, P, R(, D)]``: one work item per (sequence, partition).
+                           tile_values, item_order, thread_starts, part_m, part_l, part_acc):
+    """Partial states ``part_* [B, P, R(, D)]``: one work item ``b P + p`` per (sequence
+    ``b``, partition ``p``); thread ``t`` computes items
+    ``item_order[thread_starts[t]:thread_starts[t + 1]]`` (:func:`_partition_schedule`).
 
     Sequence ``b`` has query rows ``q[q_offsets[b]:q_offsets[b + 1]]`` (at most
     ``max_q_len`` = S; one for decode) at positions ``q_start_pos[b] + s``.  Its ``R = S H``
@@ -613,7 +640,6 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
     :func:`_cpu_tile_keys`); ``prefetch_lines`` (:func:`_prefetch_lines`) and
     ``tile_values`` (:func:`_whole_tile_values`) choose how rows are read for their length.
     """
-    batch = q_offsets.shape[0] - 1
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_blocks.shape[2]
     group = num_heads // num_kv_heads
@@ -621,80 +647,82 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
     num_rows = num_kv_heads * kv_rows
     num_partitions = part_m.shape[1]
     zero = scale - scale  # 0 of q's dtype
-    for item in prange(batch * num_partitions):
-        b = item // num_partitions
-        part = item % num_partitions
-        q_len = q_offsets[b + 1] - q_offsets[b]
-        q0 = q_start_pos[b]
-        start, end = partition_bounds(num_keys[b], part, num_partitions, block_k)
-        m = part_m[b, part]
-        l = part_l[b, part]
-        acc = part_acc[b, part]
-        qs = np.empty((num_rows, head_dim), dtype=q.dtype)
-        for r in range(num_rows):
-            m[r] = -math.inf
-            l[r] = 0
-            s = r % kv_rows // group
-            h = r // kv_rows * group + r % group
-            q_row = q_offsets[b] + s  # read once: the stores below may alias q_offsets
-            for d in range(head_dim):
-                acc[r, d] = 0
-                qs[r, d] = q[q_row, h, d] * scale if s < q_len else zero
-        if q_len == 0:
-            continue
-        s_buf = np.empty(num_rows * tile_keys, dtype=q.dtype)
-        h_buf = np.empty(num_rows * tile_keys, dtype=np.bool_)
-        seen_buf = np.empty(max_q_len * tile_keys, dtype=np.bool_)
-        alpha = np.empty(num_rows, dtype=q.dtype)
-        bits = np.empty(tile_keys, dtype=np.int64)
-        pages = np.empty(tile_keys + PREFETCH_KEYS, dtype=np.int64)
-        slots = np.empty(tile_keys + PREFETCH_KEYS, dtype=np.int64)
-        keys = np.empty(tile_keys, dtype=np.int64)
-        for k0 in range(start, end, tile_keys):
-            k1 = min(k0 + tile_keys, end)
-            status = mask_tile_status(program, q0, q0 + q_len - 1, k0, k1 - 1)
-            if status == TILE_FULL:
-                continue
-            n = k1 - k0
-            # the tile's rows in block order, and the first block of the next tile
-            ahead = n + _tile_rows(lookup_table, page_size, row_base, b, k0, n,
-                                   min(tile_keys, end - k1), status == TILE_NONE, pages,
-                                   slots, keys)
-            scores = s_buf[:num_rows * n].reshape(num_rows, n)
-            hidden = h_buf[:num_rows * n].reshape(num_rows, n)  # filled for masked tiles
-            # Hidden keys are scored too (their rows are in range) and then replaced by
-            # -inf below, so nothing they hold is used.
-            _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, kv_rows, prefetch_lines,
-                         scores)
-            all_visible = status == TILE_NONE and not has_additive
-            if not all_visible:
-                # the mask once per (query row, key), then each state row
-                seen = seen_buf[:max_q_len * n].reshape(max_q_len, n)
-                for s in range(max_q_len):
-                    for i in range(n):
-                        seen[s, i] = s < q_len and (
-                            status == TILE_NONE or mask_visible(program, q0 + s, k0 + keys[i]))
-                for r in range(num_rows):
-                    s = r % kv_rows // group
-                    h = r // kv_rows * group + r % group
-                    for i in range(n):
-                        bias = zero
-                        if has_additive and seen[s, i]:
-                            bias = key_bias(additive, b, h, s, k0 + keys[i])
-                        hidden[r, i] = not seen[s, i] or bias == -math.inf
-                        scores[r, i] = -math.inf if hidden[r, i] else scores[r, i] + bias
-            if single:
-                _softmax_tile_f32(scores, m, l, alpha, bits.view(np.int32))
-            else:
-                _softmax_tile_f64(scores, m, l, alpha, bits)
+    for thread in prange(thread_starts.shape[0] - 1):
+        for slot in range(thread_starts[thread], thread_starts[thread + 1]):
+            item = item_order[slot]
+            b = item // num_partitions
+            part = item % num_partitions
+            q_len = q_offsets[b + 1] - q_offsets[b]
+            q0 = q_start_pos[b]
+            start, end = partition_bounds(num_keys[b], part, num_partitions, block_k)
+            m = part_m[b, part]
+            l = part_l[b, part]
+            acc = part_acc[b, part]
+            qs = np.empty((num_rows, head_dim), dtype=q.dtype)
             for r in range(num_rows):
-                a = alpha[r]
-                if a != 1:
-                    for d in range(head_dim):
-                        acc[r, d] *= a
-            _tile_values(scores, k_blocks, v_blocks, pages, slots, n, ahead, kv_rows,
-                         prefetch_lines, tile_values and all_visible, all_visible, hidden,
-                         acc)
+                m[r] = -math.inf
+                l[r] = 0
+                s = r % kv_rows // group
+                h = r // kv_rows * group + r % group
+                q_row = q_offsets[b] + s  # read once: the stores below may alias q_offsets
+                for d in range(head_dim):
+                    acc[r, d] = 0
+                    qs[r, d] = q[q_row, h, d] * scale if s < q_len else zero
+            if q_len == 0:
+                continue
+            s_buf = np.empty(num_rows * tile_keys, dtype=q.dtype)
+            h_buf = np.empty(num_rows * tile_keys, dtype=np.bool_)
+            seen_buf = np.empty(max_q_len * tile_keys, dtype=np.bool_)
+            alpha = np.empty(num_rows, dtype=q.dtype)
+            bits = np.empty(tile_keys, dtype=np.int64)
+            pages = np.empty(tile_keys + PREFETCH_KEYS, dtype=np.int64)
+            slots = np.empty(tile_keys + PREFETCH_KEYS, dtype=np.int64)
+            keys = np.empty(tile_keys, dtype=np.int64)
+            for k0 in range(start, end, tile_keys):
+                k1 = min(k0 + tile_keys, end)
+                status = mask_tile_status(program, q0, q0 + q_len - 1, k0, k1 - 1)
+                if status == TILE_FULL:
+                    continue
+                n = k1 - k0
+                # the tile's rows in block order, and the first block of the next tile
+                ahead = n + _tile_rows(lookup_table, page_size, row_base, b, k0, n,
+                                       min(tile_keys, end - k1), status == TILE_NONE, pages,
+                                       slots, keys)
+                scores = s_buf[:num_rows * n].reshape(num_rows, n)
+                hidden = h_buf[:num_rows * n].reshape(num_rows, n)  # filled for masked tiles
+                # Hidden keys are scored too (their rows are in range) and then replaced by
+                # -inf below, so nothing they hold is used.
+                _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, kv_rows, prefetch_lines,
+                             scores)
+                all_visible = status == TILE_NONE and not has_additive
+                if not all_visible:
+                    # the mask once per (query row, key), then each state row
+                    seen = seen_buf[:max_q_len * n].reshape(max_q_len, n)
+                    for s in range(max_q_len):
+                        for i in range(n):
+                            seen[s, i] = s < q_len and (
+                                status == TILE_NONE or mask_visible(program, q0 + s, k0 + keys[i]))
+                    for r in range(num_rows):
+                        s = r % kv_rows // group
+                        h = r // kv_rows * group + r % group
+                        for i in range(n):
+                            bias = zero
+                            if has_additive and seen[s, i]:
+                                bias = key_bias(additive, b, h, s, k0 + keys[i])
+                            hidden[r, i] = not seen[s, i] or bias == -math.inf
+                            scores[r, i] = -math.inf if hidden[r, i] else scores[r, i] + bias
+                if single:
+                    _softmax_tile_f32(scores, m, l, alpha, bits.view(np.int32))
+                else:
+                    _softmax_tile_f64(scores, m, l, alpha, bits)
+                for r in range(num_rows):
+                    a = alpha[r]
+                    if a != 1:
+                        for d in range(head_dim):
+                            acc[r, d] *= a
+                _tile_values(scores, k_blocks, v_blocks, pages, slots, n, ahead, kv_rows,
+                             prefetch_lines, tile_values and all_visible, all_visible, hidden,
+                             acc)
 
 
 @body

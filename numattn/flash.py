@@ -39,6 +39,7 @@ import threading
 import numpy as np
 
 from ._jit import body, cpu_jit, prange
+from ._schedule import zigzag_schedule
 from ._softmax import finish_row
 from ._validate import (
     check_array,
@@ -323,33 +324,20 @@ def _work_items(q_offsets, q_start_pos, num_keys, num_kv_heads, program, block_q
             i += 1
     cost = np.empty(num_tiles, dtype=np.int64)
     _tile_costs(q_start_pos, num_keys, seq, row0, width, program, block_k, cost)
-    # item i: query tile i // num_kv_heads, KV head i % num_kv_heads; most expensive first
+    # item i: query tile i // num_kv_heads, KV head i % num_kv_heads
     num_items = num_tiles * num_kv_heads
-    neg_cost = np.empty(num_items, dtype=np.int64)
+    item_cost = np.empty(num_items, dtype=np.int64)
     total_cost = 0
     for i in range(num_items):
-        neg_cost[i] = -cost[i // num_kv_heads]
-        total_cost += cost[i // num_kv_heads]
-    by_cost = np.argsort(neg_cost, kind="mergesort")  # stable
-    # rank r goes to thread lane or T - 1 - lane, in turns (zigzag); each thread keeps its
-    # items in rank order
-    thread = np.empty(num_items, dtype=np.int64)
-    starts = np.zeros(num_threads + 1, dtype=np.int64)
-    for r in range(num_items):
-        lane = r % num_threads
-        thread[r] = lane if (r // num_threads) % 2 == 0 else num_threads - 1 - lane
-        starts[thread[r] + 1] += 1
-    for t in range(num_threads):
-        starts[t + 1] += starts[t]
-    fill = starts[:-1].copy()
+        item_cost[i] = cost[i // num_kv_heads]
+        total_cost += item_cost[i]
+    order, starts = zigzag_schedule(item_cost, num_threads)
     item_seq = np.empty(num_items, dtype=np.int64)
     item_head = np.empty(num_items, dtype=np.int64)
     item_row0 = np.empty(num_items, dtype=np.int64)
     item_width = np.empty(num_items, dtype=np.int64)
-    for r in range(num_items):
-        slot = fill[thread[r]]
-        fill[thread[r]] += 1
-        item = by_cost[r]
+    for slot in range(num_items):
+        item = order[slot]
         tile = item // num_kv_heads
         item_seq[slot] = seq[tile]
         item_head[slot] = item % num_kv_heads

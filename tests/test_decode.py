@@ -459,6 +459,42 @@ def test_out_and_repeatability(rng):
                  np.float32)
 
 
+def test_ragged_batch_on_the_worker_threads_is_dealt_by_keys(rng, monkeypatch):
+    """On the worker threads the (sequence, partition) items go to the threads by their keys
+    (sequences of very different lengths, one without keys): each thread's share is within
+    one item of the others', and the results agree with the reference and bitwise with one
+    thread and with the calling thread."""
+    import numba
+
+    from numattn._jit import cpu_jit
+    from numattn.decode import _partition_schedule, partition_bounds
+
+    lengths = [700, 12, 0, 150, 333, 41]
+    k, v = make_kv(rng, "paged", lengths, [1] * 6, 2, 32, np.float32, page_size=16)
+    q = randn(rng, (6, 8, 32), np.float32)
+    num_keys = np.array(lengths) + 1
+    order, starts = cpu_jit(_partition_schedule)(np.arange(7), num_keys, 3, 4, 4)
+    assert sorted(order) == list(range(18))
+    cost = np.array([np.subtract(*partition_bounds(n, p, 3, 4)[::-1])
+                     for n in num_keys for p in range(3)])
+    loads = [cost[order[starts[t]:starts[t + 1]]].sum() for t in range(4)]
+    assert max(loads) - min(loads) <= cost.max()
+    monkeypatch.setattr(numattn.decode, "SERIAL_KV_BYTES", 0)  # the worker threads
+    parallel = decode_attention(q, k, v, CausalMask(), num_partitions=3, config=SMALL)
+    assert_close(parallel, numattn.reference.decode_attention(q, k, v, CausalMask()),
+                 np.float32)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        single = decode_attention(q, k, v, CausalMask(), num_partitions=3, config=SMALL)
+    finally:
+        numba.set_num_threads(threads)
+    assert np.array_equal(single, parallel)
+    monkeypatch.setattr(numattn.decode, "SERIAL_KV_BYTES", 2**62)  # the calling thread
+    serial = decode_attention(q, k, v, CausalMask(), num_partitions=3, config=SMALL)
+    assert np.array_equal(serial, parallel)
+
+
 def test_out_may_be_q_k_or_v_but_not_the_sinks(rng):
     """The reduction writes out after every key was read: out may share memory with q, K
     or V; the sink logits are read by the reduction itself, so out must not hold them."""
