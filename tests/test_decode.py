@@ -432,6 +432,18 @@ def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
     assert routed == [4, 16]
 
 
+def _on_one_thread(call):
+    """``call()`` with Numba's thread count set to one, then restored."""
+    import numba
+
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        return call()
+    finally:
+        numba.set_num_threads(threads)
+
+
 def test_out_and_repeatability(rng):
     k, v = make_kv(rng, "paged", [100, 37, 64], [1, 1, 1], 2, 32, np.float32, page_size=16)
     q = randn(rng, (3, 8, 32), np.float32)
@@ -440,14 +452,8 @@ def test_out_and_repeatability(rng):
     assert result is out
     again = decode_attention(q, k, v, CausalMask(), num_partitions=5, config=SMALL)
     assert np.array_equal(again, out)  # bitwise, for a fixed partition count
-    import numba
-
-    threads = numba.get_num_threads()
-    numba.set_num_threads(1)
-    try:
-        single = decode_attention(q, k, v, CausalMask(), num_partitions=5, config=SMALL)
-    finally:
-        numba.set_num_threads(threads)
+    single = _on_one_thread(
+        lambda: decode_attention(q, k, v, CausalMask(), num_partitions=5, config=SMALL))
     assert np.array_equal(single, out)
     # config.num_partitions is the default for the argument; an explicit argument wins
     from_config = decode_attention(q, k, v, CausalMask(),
@@ -461,11 +467,9 @@ def test_out_and_repeatability(rng):
 
 def test_ragged_batch_on_the_worker_threads_is_dealt_by_keys(rng, monkeypatch):
     """On the worker threads the (sequence, partition) items go to the threads by their keys
-    (sequences of very different lengths, one without keys): each thread's share is within
-    one item of the others', and the results agree with the reference and bitwise with one
-    thread and with the calling thread."""
-    import numba
-
+    (sequences of very different lengths, one of a single key): each thread's share is
+    within one item of the others', and the results agree with the reference and bitwise
+    with one thread and with the calling thread."""
     from numattn._jit import cpu_jit
     from numattn.decode import _partition_schedule, partition_bounds
 
@@ -483,12 +487,8 @@ def test_ragged_batch_on_the_worker_threads_is_dealt_by_keys(rng, monkeypatch):
     parallel = decode_attention(q, k, v, CausalMask(), num_partitions=3, config=SMALL)
     assert_close(parallel, numattn.reference.decode_attention(q, k, v, CausalMask()),
                  np.float32)
-    threads = numba.get_num_threads()
-    numba.set_num_threads(1)
-    try:
-        single = decode_attention(q, k, v, CausalMask(), num_partitions=3, config=SMALL)
-    finally:
-        numba.set_num_threads(threads)
+    single = _on_one_thread(
+        lambda: decode_attention(q, k, v, CausalMask(), num_partitions=3, config=SMALL))
     assert np.array_equal(single, parallel)
     monkeypatch.setattr(numattn.decode, "SERIAL_KV_BYTES", 2**62)  # the calling thread
     serial = decode_attention(q, k, v, CausalMask(), num_partitions=3, config=SMALL)
