@@ -648,6 +648,16 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
     num_partitions = part_m.shape[1]
     zero = scale - scale  # 0 of q's dtype
     for thread in prange(thread_starts.shape[0] - 1):
+        # scratch of this thread's items (each item writes what it reads)
+        qs = np.empty((num_rows, head_dim), dtype=q.dtype)
+        s_buf = np.empty(num_rows * tile_keys, dtype=q.dtype)
+        h_buf = np.empty(num_rows * tile_keys, dtype=np.bool_)
+        seen_buf = np.empty(max_q_len * tile_keys, dtype=np.bool_)
+        alpha = np.empty(num_rows, dtype=q.dtype)
+        bits = np.empty(tile_keys, dtype=np.int64)
+        pages = np.empty(tile_keys + PREFETCH_KEYS, dtype=np.int64)
+        slots = np.empty(tile_keys + PREFETCH_KEYS, dtype=np.int64)
+        keys = np.empty(tile_keys, dtype=np.int64)
         for slot in range(thread_starts[thread], thread_starts[thread + 1]):
             item = item_order[slot]
             b = item // num_partitions
@@ -658,7 +668,6 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
             m = part_m[b, part]
             l = part_l[b, part]
             acc = part_acc[b, part]
-            qs = np.empty((num_rows, head_dim), dtype=q.dtype)
             for r in range(num_rows):
                 m[r] = -math.inf
                 l[r] = 0
@@ -670,14 +679,6 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
                     qs[r, d] = q[q_row, h, d] * scale if s < q_len else zero
             if q_len == 0:
                 continue
-            s_buf = np.empty(num_rows * tile_keys, dtype=q.dtype)
-            h_buf = np.empty(num_rows * tile_keys, dtype=np.bool_)
-            seen_buf = np.empty(max_q_len * tile_keys, dtype=np.bool_)
-            alpha = np.empty(num_rows, dtype=q.dtype)
-            bits = np.empty(tile_keys, dtype=np.int64)
-            pages = np.empty(tile_keys + PREFETCH_KEYS, dtype=np.int64)
-            slots = np.empty(tile_keys + PREFETCH_KEYS, dtype=np.int64)
-            keys = np.empty(tile_keys, dtype=np.int64)
             for k0 in range(start, end, tile_keys):
                 k1 = min(k0 + tile_keys, end)
                 status = mask_tile_status(program, q0, q0 + q_len - 1, k0, k1 - 1)
