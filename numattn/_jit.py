@@ -63,9 +63,17 @@ class _UnboundCuda:
 #: Placeholder for ``numba.cuda`` in kernel source (see :class:`_UnboundCuda`).
 cuda = _UnboundCuda()
 
-#: Fast-math flags: contraction, reassociation and reciprocal approximations are allowed,
-#: but *not* ``nnan``/``ninf``: masking relies on ``-inf`` and NaN must propagate.
-FASTMATH = frozenset({"contract", "reassoc", "arcp", "nsz"})
+#: Fast-math flags: contraction and reciprocal approximations are allowed, but *not*
+#: ``nnan``/``ninf`` (masking relies on ``-inf`` and NaN must propagate) and *not*
+#: ``reassoc``.  A body is compiled more than once: on its own, and again inside every
+#: kernel that calls it (and a parallel loop's body both on its own and inside its kernel).
+#: Which copy a kernel runs depends on what the process compiled or loaded first (Numba links
+#: the callees into the caller as weak symbols, and its JIT linker binds them to the
+#: first definition loaded), and with ``reassoc`` each copy may sum in another order: the
+#: results of one call then changed in the last bits between a process that compiled the
+#: kernels and one that loaded them from the disk cache.  Sums that must run fast are
+#: written in a fixed lane order instead (:func:`numattn._simd.lane_sum`).
+FASTMATH = frozenset({"contract", "arcp", "nsz"})
 
 # Idle OpenMP workers spin only briefly before they sleep (see GOMP_SPINCOUNT above).  libgomp reads
 # this when Numba starts its thread pool, which may be before any kernel is compiled.
@@ -112,6 +120,9 @@ def _rebind(func, target):
 def _cpu_jit(func, parallel):
     import numba
 
+    from . import _simd
+
+    _simd.register()  # the explicit-vector functions bodies call, before any compiles
     clone = _rebind(func, "cpu")
     if not parallel:
         # Numba's on-disk cache names its files after the function and keys them by

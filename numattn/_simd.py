@@ -20,12 +20,20 @@ each with overhead that these versions do not have:
   loads and stores them every four keys; with short rows those loads and stores, not the
   multiply-adds, took most of the time.
 
+One more serves the online softmax of decode and flash attention:
+
+* :func:`lane_sum`: the sum of a row in an order fixed here, not by the compiler: sixteen
+  running sums (lane ``u`` takes elements ``u``, ``u + 16``, ...) in one vector of sixteen
+  lanes whatever the machine, then halves added to halves.  Numba's loop vectoriser sums
+  a row only with the ``reassoc`` fast-math flag, which numattn does not use (see
+  :data:`numattn._jit.FASTMATH`); the sum is then the same on every machine too.
+
 Each function is plain NumPy here (its definition, and what runs uncompiled); :func:`register`
 gives it its compiled form (LLVM vectors as wide as the target's registers: 64 bytes with
-AVX-512, 32 with AVX, else 16), and :func:`prefetch_row` its ``llvm.prefetch``.  The CPU
-driver of decode calls :func:`register` before its kernels compile (Numba is imported
-lazily).  Vector loads need the last axis of every array contiguous, as the decode driver
-passes them.
+AVX-512, 32 with AVX, else 16; :func:`lane_sum` always in sixteen lanes), and
+:func:`prefetch_row` its ``llvm.prefetch``.  :func:`numattn._jit.cpu_jit` calls
+:func:`register` before it binds any body (Numba is imported lazily).  Vector loads need the
+last axis of every array contiguous, as the kernels pass them.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import threading
 import numpy as np
 
 __all__ = [
+    "lane_sum",
     "prefetch_row",
     "register",
     "scores_block_1",
@@ -56,6 +65,23 @@ BLOCK_KEYS = 4
 BLOCK_ROWS = (4, 2, 1)
 #: Vectors per row that :func:`values_tile_4` keeps in registers (4 rows of 4: sixteen).
 TILE_VECTORS = 4
+#: Running sums of :func:`lane_sum` (lanes of its vector, on every machine).
+SUM_LANES = 16
+
+
+def lane_sum(row, n):
+    """``row[0] + ... + row[n - 1]`` (1-D, contiguous) in a fixed order: lane ``u`` of
+    :data:`SUM_LANES` running sums adds elements ``u``, ``u + 16``, ... in turn; then the
+    first half of the lanes is added to the second, and again, down to one."""
+    lanes = np.zeros(SUM_LANES, dtype=row.dtype)
+    whole = n - n % SUM_LANES
+    for j in range(0, whole, SUM_LANES):
+        lanes += row[j:j + SUM_LANES]
+    lanes[:n - whole] += row[whole:n]
+    while lanes.shape[0] > 1:
+        half = lanes.shape[0] // 2
+        lanes = lanes[:half] + lanes[half:]
+    return lanes[0]
 
 
 def prefetch_row(blocks, page, slot, num_lines):
@@ -178,6 +204,16 @@ def _forward_values_tile(intrinsic):
     return typer
 
 
+def _forward_lane_sum(intrinsic):
+    def typer(row, n):
+        def impl(row, n):
+            return intrinsic(row, n)
+
+        return impl
+
+    return typer
+
+
 def _forward_prefetch(intrinsic):
     def typer(blocks, page, slot, num_lines):
         def impl(blocks, page, slot, num_lines):
@@ -189,7 +225,8 @@ def _forward_prefetch(intrinsic):
 
 
 _FORWARDERS = {"scores_block": _forward_scores, "values_block": _forward_values,
-               "values_tile": _forward_values_tile, "prefetch": _forward_prefetch}
+               "values_tile": _forward_values_tile, "prefetch": _forward_prefetch,
+               "lane": _forward_lane_sum}
 
 
 @functools.cache
@@ -216,7 +253,7 @@ def build_intrinsics(vector_bytes):
     build them for narrower vectors than this machine's.)
     """
     from llvmlite import ir
-    from numba.core import cgutils, types
+    from numba.core import cgutils, errors, types
     from numba.extending import intrinsic
 
     i32 = ir.IntType(32)
@@ -241,10 +278,10 @@ def build_intrinsics(vector_bytes):
     class Vectors:
         """Vector loads, stores and arithmetic on the rows of one array dtype."""
 
-        def __init__(self, context, builder, dtype):
+        def __init__(self, context, builder, dtype, lanes=None):
             self.builder = builder
             self.itemsize = np.dtype(str(dtype)).itemsize
-            self.lanes = max(1, vector_bytes // self.itemsize)
+            self.lanes = lanes or max(1, vector_bytes // self.itemsize)
             element = context.get_data_type(dtype)
             self.type = ir.VectorType(element, self.lanes)
             self.name = f"v{self.lanes}f{8 * self.itemsize}"
@@ -492,6 +529,38 @@ def build_intrinsics(vector_bytes):
         return values_tile
 
     @intrinsic
+    def lane_sum(typingctx, row, n):
+        if not isinstance(row, types.Array) or row.ndim != 1 or row.layout != "C":
+            raise errors.TypingError("lane_sum takes a contiguous 1-D array")
+        sig = row.dtype(row, n)
+
+        def codegen(context, builder, signature, args):
+            row_v, n_v = args
+            row_ty = signature.args[0]
+            vec = Vectors(context, builder, row_ty.dtype, lanes=SUM_LANES)
+            start = row_pointer(context, builder, row_ty, row_v, [const(0)])
+            lanes = cgutils.alloca_once_value(builder, ir.Constant(vec.type, 0.0))
+
+            def step(offset, mask):
+                total = builder.fadd(builder.load(lanes), vec.load(start, offset, mask))
+                if mask is not None:  # lanes past the row keep their sums (even a -0)
+                    total = builder.select(mask, total, builder.load(lanes))
+                builder.store(total, lanes)
+
+            vec.over_row(n_v, step)
+            total = builder.load(lanes)
+            width = SUM_LANES
+            while width > 1:
+                width //= 2
+                total = builder.fadd(
+                    builder.shuffle_vector(total, total, vector_const(i32, range(width))),
+                    builder.shuffle_vector(total, total,
+                                           vector_const(i32, range(width, 2 * width))))
+            return builder.extract_element(total, ir.Constant(i32, 0))
+
+        return sig, codegen
+
+    @intrinsic
     def prefetch(typingctx, blocks, page, slot, num_lines):
         sig = types.none(blocks, page, slot, num_lines)
 
@@ -519,7 +588,7 @@ def build_intrinsics(vector_bytes):
 
         return sig, codegen
 
-    built = {"prefetch_row": prefetch}
+    built = {"prefetch_row": prefetch, "lane_sum": lane_sum}
     for rows in BLOCK_ROWS:
         built[f"scores_block_{rows}"] = make_scores(rows)
         built[f"values_block_{rows}"] = make_values(rows)

@@ -371,7 +371,6 @@ def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     else:
         item_order = np.arange(batch * parts, dtype=np.int64)
         thread_starts = np.array([0, batch * parts], dtype=np.int64)
-    _simd.register()
     cpu_jit(_decode_partitions_cpu, parallel=parallel)(
         q, q_offsets, q_start_pos, max_q_len, layout.k_blocks, layout.v_blocks,
         layout.page_size, layout.lookup_table, layout.row_base, layout.num_keys, program,

@@ -40,6 +40,7 @@ import numpy as np
 
 from ._jit import body, cpu_jit, prange
 from ._schedule import zigzag_schedule
+from ._simd import lane_sum
 from ._softmax import finish_row
 from ._validate import (
     check_array,
@@ -489,7 +490,6 @@ def _softmax_tile_f32(scores, m_run, l_run, alpha, bits):
                 row[j] = 0
             alpha[i] = 1
             continue
-        total = np.float32(0.0)
         for j in range(kw):
             x = row[j] - m_new
             xc = max(x, lo)
@@ -499,7 +499,7 @@ def _softmax_tile_f32(scores, m_run, l_run, alpha, bits):
             bits[j] = 0 if x < lo else (np.int32(n) + np.int32(127)) << np.int32(23)
             p = (x if x != x else y) * pow2[j]  # the store and load of 2^n stay in registers
             row[j] = p
-            total += p
+        total = lane_sum(row, kw)
         a = math.exp(m_old - m_new)
         alpha[i] = a
         m_run[i] = m_new
@@ -547,7 +547,6 @@ def _softmax_tile_f64(scores, m_run, l_run, alpha, bits):
                 row[j] = 0
             alpha[i] = 1
             continue
-        total = m_new - m_new  # 0 (m_new is finite here)
         for j in range(kw):
             x = row[j] - m_new
             xc = max(x, lo)
@@ -559,7 +558,7 @@ def _softmax_tile_f64(scores, m_run, l_run, alpha, bits):
             bits[j] = 0 if x < lo else (np.int64(n) + np.int64(1023)) << np.int64(52)
             p = (x if x != x else y) * pow2[j]
             row[j] = p
-            total += p
+        total = lane_sum(row, kw)
         a = math.exp(m_old - m_new)
         alpha[i] = a
         m_run[i] = m_new
@@ -813,7 +812,7 @@ def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_bl
         if status == TILE_FULL:
             continue
         # Gather the tile's keys and values through the page table.
-        v_check = zero
+        v_finite = True
         for j in range(kw):
             page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0 + j)
             for d in range(head_dim):
@@ -821,8 +820,7 @@ def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_bl
             for d in range(head_dim):
                 x = v_blocks[page, slot, kv_head, d]
                 v_tile[j * head_dim + d] = x
-                v_check += x * zero
-        v_finite = v_check == v_check
+                v_finite &= x - x == zero  # NaN for NaN and inf
         if status == TILE_NONE and not has_additive:
             _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, bits, visible,
                        k_tile, v_tile, head_dim, v_finite, first, width, first, kw,

@@ -179,3 +179,45 @@ def test_serial_and_parallel_bindings_keep_apart_in_the_disk_cache(tmp_path):
     assert run("serial") == 0  # compiled and written to the cache
     assert run("parallel") == 0  # not the serial entry
     assert run("parallel") == 1 and run("serial") == 1  # each finds its own
+
+
+_DIGEST_OF_RESULTS = """
+import hashlib
+import numpy as np
+import numattn
+
+def digest():
+    rng = np.random.default_rng(0)
+    digest = hashlib.sha1()
+    # decode on the calling thread, then split-K on the worker threads
+    for batch, num_keys, kv_heads, head_dim in [(1, 200, 2, 32), (2, 1100, 8, 64)]:
+        k, v = (rng.standard_normal((batch, num_keys, kv_heads, head_dim), dtype=np.float32)
+                for _ in range(2))
+        q = rng.standard_normal((batch, 4 * kv_heads, head_dim), dtype=np.float32)
+        digest.update(numattn.decode_attention(q, k, v, num_partitions=3).tobytes())
+    # causal prefill (the flash kernel) and a short chunk over a long cache (decode's)
+    for rows, num_keys, dtype in [(40, 40, np.float32), (4, 3000, np.float64)]:
+        q = rng.standard_normal((1, rows, 8, 32)).astype(dtype)
+        k, v = (rng.standard_normal((1, num_keys, 2, 32)).astype(dtype) for _ in range(2))
+        digest.update(numattn.flash_attention_kv_cache(q, k, v, numattn.CausalMask()).tobytes())
+    return digest.hexdigest()
+
+if __name__ == "__main__":
+    print(digest())
+"""
+
+
+def test_results_do_not_depend_on_whether_the_kernels_were_compiled_or_loaded():
+    """A process that compiled the kernels and one that loaded them from the disk cache give
+    bitwise the same results.  (Numba links each body into every kernel that calls it as a
+    weak symbol, bound to the first copy a process loaded: the body's own when it compiled
+    the kernels, else the kernel's.  With the ``reassoc`` fast-math flag the copies summed in
+    different orders.)  In CI (a fresh clone) this process compiles the kernels and the
+    child loads them."""
+    scope = {}
+    exec(compile(_DIGEST_OF_RESULTS, "<digest>", "exec"), scope)
+    here = scope["digest"]()
+    env = {k: v for k, v in os.environ.items() if k != "NUMATTN_CACHE"}
+    child = subprocess.run([sys.executable, "-c", _DIGEST_OF_RESULTS], capture_output=True,
+                           text=True, env=env, check=True)
+    assert child.stdout.split()[-1] == here

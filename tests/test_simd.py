@@ -2,7 +2,7 @@
 float64, built for every vector width (so this machine also checks the AVX and SSE/NEON
 code), in both dtypes, for blocks of 1, 2 and 4 query heads, head dimensions with and
 without a tail, and blocks cut short by the end of a tile (and the whole-tile sums of
-short rows); and decode's block order."""
+short rows); the row sum of the online softmax; and decode's block order."""
 
 from __future__ import annotations
 
@@ -180,6 +180,26 @@ def test_values_tiles(vector_bytes, dtype, rng):
                 assert np.isnan(buffer[:, head_dim:]).all(), what
                 tested += 1
     assert tested >= len(GROUPS) * len(NUM_KEYS) * 2  # at least two head dims per width
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lane_sum_is_the_same_for_every_vector_width_and_uncompiled(dtype, rng):
+    """The row sum of the online softmax: bitwise the plain definition's, whatever the
+    vector width it is built for (its order is the sixteen lanes', not the machine's)."""
+    def compiled_sum(vector_bytes):
+        lane_sum = _simd.build_intrinsics(vector_bytes)["lane_sum"]
+        return numba.njit(lambda row, n: lane_sum(row, n))
+
+    sums = {vector_bytes: compiled_sum(vector_bytes) for vector_bytes in WIDTHS}
+    for n in [0, 1, 15, 16, 17, 100, 128, 1000]:
+        row = randn(rng, n + 5, dtype)  # elements past n must not count
+        expected = dtype(_simd.lane_sum(row, n))
+        assert expected.dtype == dtype
+        assert abs(expected - row[:n].astype(np.float64).sum()) <= 1e-5 * (n + 1)
+        for vector_bytes, compiled in sums.items():
+            assert dtype(compiled(row, n)).tobytes() == expected.tobytes(), (vector_bytes, n)
+    with pytest.raises(numba.core.errors.TypingError, match="contiguous"):
+        sums[64](randn(rng, 8, dtype)[::2], 4)
 
 
 def test_values_tile_fits():
