@@ -31,6 +31,7 @@ The math is written once as plain bodies (tile status and key visibility from
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import NamedTuple
 
@@ -360,8 +361,10 @@ def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     dtype = q.dtype
     part_m = np.empty((batch, parts, num_rows), dtype)
     part_l = np.empty((batch, parts, num_rows), dtype)
-    part_acc = aligned_empty(batch * parts * num_rows * q.shape[2], q).reshape(
-        batch, parts, num_rows, q.shape[2])
+    shape = (batch, parts, num_rows, q.shape[2])
+    # on a cache line for the worker threads' items; a call on the calling thread (short,
+    # as a rule) keeps np.empty: aligning costs 1 us, more than its split lines cost it
+    part_acc = _aligned_array(shape, dtype) if parallel else np.empty(shape, dtype)
     if parallel:
         import numba
 
@@ -379,6 +382,15 @@ def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
         thread_starts, part_m, part_l, part_acc,
     )
     return part_m, part_l, part_acc
+
+
+def _aligned_array(shape, dtype):
+    """``np.empty(shape, dtype)`` starting on a 64-byte boundary: :func:`aligned_empty` for
+    the driver (``ctypes`` reads the address in 0.2 us, ``ndarray.ctypes`` in 1 us)."""
+    size = math.prod(shape)
+    buf = np.empty(size + 64 // dtype.itemsize, dtype)
+    skip = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % 64 // dtype.itemsize
+    return buf[skip:skip + size].reshape(shape)
 
 
 def _partition_schedule(q_offsets, num_keys, num_partitions, block_k, num_threads):
@@ -729,13 +741,14 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
 @body
 def aligned_empty(size, like):
     """An uninitialised 1-D array of ``size`` elements of ``like``'s dtype that starts on a
-    64-byte boundary (CPU only; plain Python or compiled).
+    64-byte boundary (CPU kernels; the driver uses :func:`_aligned_array`).
 
     NumPy's large arrays start 16 bytes past one (the allocator's header) and Numba's on a
     32-byte one, where every other 64-byte vector load or store of a row crosses two cache
-    lines.  Used for the partial outputs, queries and scores of the CPU decode kernel
-    (from memory, old against new in the same rounds: one thread 1.03-1.05x, chunks of 8
-    query rows 1.065x; two threads 1.01-1.02x).
+    lines.  Used for the queries and scores of the CPU decode kernel, and (through
+    :func:`_aligned_array`) its partial outputs: from memory, old against new in the same
+    rounds, one thread 1.01-1.05x (varying between processes), chunks of 8 query rows
+    1.07x, two threads 1.00-1.02x.
     """
     pad = 64 // like.itemsize
     buf = np.empty(size + pad, dtype=like.dtype)

@@ -404,10 +404,10 @@ def test_cpu_tiles_of_short_rows_are_longer():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_scratch_starts_on_a_64_byte_boundary(dtype):
-    """The partial outputs and the kernel's queries and scores start on a cache line, plain
-    and compiled (NumPy's large arrays start 16 bytes past one, Numba's 32)."""
+    """The partial outputs (allocated by the driver) and the kernel's queries and scores
+    start on a cache line (NumPy's large arrays start 16 bytes past one, Numba's 32)."""
     from numattn._jit import cpu_jit
-    from numattn.decode import aligned_empty
+    from numattn.decode import _aligned_array, aligned_empty
 
     like = np.zeros(1, dtype)
     compiled = cpu_jit(aligned_empty)
@@ -416,6 +416,9 @@ def test_scratch_starts_on_a_64_byte_boundary(dtype):
             scratch = make(size, like)
             assert scratch.shape == (size,) and scratch.dtype == dtype
             assert scratch.ctypes.data % 64 == 0
+        parts = _aligned_array((2, 3, size), np.dtype(dtype))
+        assert parts.shape == (2, 3, size) and parts.dtype == dtype and parts.flags.c_contiguous
+        assert parts.ctypes.data % 64 == 0
 def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
     """Flash runs problems of <= flash.MULTI_QUERY_MAX_LEN rows per sequence, with enough work,
     most rows in use and a cache long for the rows, on decode's kernels; others on its own
