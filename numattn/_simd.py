@@ -67,6 +67,9 @@ BLOCK_ROWS = (4, 2, 1)
 TILE_VECTORS = 4
 #: Running sums of :func:`lane_sum` (lanes of its vector, on every machine).
 SUM_LANES = 16
+#: The hardware prefetcher's page: it follows a stream of lines within one, and starts
+#: again in the next (:func:`prefetch_row` warms that start).
+PREFETCH_PAGE_BYTES = 4096
 
 
 def lane_sum(row, n):
@@ -85,8 +88,10 @@ def lane_sum(row, n):
 
 
 def prefetch_row(blocks, page, slot, num_lines):
-    """Ask the CPU to start loading the first ``num_lines`` 64-byte lines of row
-    ``blocks[page, slot]`` (a hint, which never faults: nothing happens in plain Python)."""
+    """Ask the CPU to start loading the first ``num_lines`` 64-byte lines (at most a row's
+    worth) of the :data:`PREFETCH_PAGE_BYTES` page that holds the start of row
+    ``blocks[page, slot]``: the page a stream of rows enters next, wherever in it the row
+    starts (a hint, which never faults: nothing happens in plain Python)."""
 
 
 def _scores_block(rows):
@@ -569,8 +574,9 @@ def build_intrinsics(vector_bytes):
             blocks_v, page_v, slot_v, lines_v = args
             row = row_pointer(context, builder, blocks_ty, blocks_v,
                               [page_v, slot_v, const(0), const(0)])
-            i8p = ir.IntType(8).as_pointer()
-            row = builder.bitcast(row, i8p)
+            # from the start of the page that holds the row's start (mapped: the row is)
+            page_start = builder.and_(builder.ptrtoint(row, i64), const(-PREFETCH_PAGE_BYTES))
+            row = builder.inttoptr(page_start, ir.IntType(8).as_pointer())
             itemsize = np.dtype(str(blocks_ty.dtype)).itemsize
             shape = cgutils.unpack_tuple(
                 builder, context.make_array(blocks_ty)(context, builder, blocks_v).shape, 4)

@@ -98,14 +98,18 @@ MAX_AUTO_PARTITIONS = 64
 #: 30-100 us on a virtual machine (a few us elsewhere), more than it saves on such work.
 SERIAL_KV_BYTES = 2**21
 SERIAL_REDUCE_ELEMENTS = 2**18
-#: CPU: the kernel asks for the first PREFETCH_LINES cache lines of the K or V row it will
-#: read PREFETCH_KEYS block positions later (the next row of the same stream, see
-#: :func:`_tile_rows`), when rows are at least PREFETCH_MIN_ROW_BYTES long.  Such a row is
-#: a page of its own (4 KiB here), where the hardware prefetcher starts cold; a few early
-#: lines hide that start (8-10% faster; whole rows would crowd the L1 cache and the miss
-#: buffers, and are slower).  Shorter rows share pages, which the hardware prefetcher
-#: follows on its own: there the hints only cost time (rows of 0.5-3 KiB read 10-40%
-#: slower with them).
+#: CPU: the kernel asks for the first PREFETCH_LINES cache lines of the 4 KiB page that
+#: holds the start of the K or V row it will read PREFETCH_KEYS block positions later (the
+#: next row of the same stream, see :func:`_tile_rows`), when rows are at least
+#: PREFETCH_MIN_ROW_BYTES long.  Such a stream enters a new page at every row, where the
+#: hardware prefetcher starts cold; a few early lines hide that start (8-10% faster; whole
+#: rows would crowd the L1 cache and the miss buffers, and are slower).  The page's first
+#: lines, not the row's: where a cache does not start on a page (or 16 bytes past one, as
+#: NumPy's large arrays do), the stream enters each page in the previous row, and hints at
+#: the rows' own starts, in the middle of pages, made the rows 8-11% slower than the
+#: page's start (one thread; two threads 4-7%).  Shorter rows share pages, which the
+#: hardware prefetcher follows on its own: there the hints only cost time (rows of 0.5-3
+#: KiB read 10-40% slower with them).
 PREFETCH_KEYS = 4
 PREFETCH_LINES = 2
 PREFETCH_MIN_ROW_BYTES = 4096
