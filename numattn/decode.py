@@ -31,7 +31,6 @@ The math is written once as plain bodies (tile status and key visibility from
 
 from __future__ import annotations
 
-import ctypes
 import math
 from typing import NamedTuple
 
@@ -368,7 +367,10 @@ def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     shape = (batch, parts, num_rows, q.shape[2])
     # on a cache line for the worker threads' items; a call on the calling thread (short,
     # as a rule) keeps np.empty: aligning costs 1 us, more than its split lines cost it
-    part_acc = _aligned_array(shape, dtype) if parallel else np.empty(shape, dtype)
+    if parallel:
+        part_acc = aligned_empty(math.prod(shape), q).reshape(shape)
+    else:
+        part_acc = np.empty(shape, dtype)
     if parallel:
         import numba
 
@@ -386,15 +388,6 @@ def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
         thread_starts, part_m, part_l, part_acc,
     )
     return part_m, part_l, part_acc
-
-
-def _aligned_array(shape, dtype):
-    """``np.empty(shape, dtype)`` starting on a 64-byte boundary: :func:`aligned_empty` for
-    the driver (``ctypes`` reads the address in 0.2 us, ``ndarray.ctypes`` in 1 us)."""
-    size = math.prod(shape)
-    buf = np.empty(size + 64 // dtype.itemsize, dtype)
-    skip = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % 64 // dtype.itemsize
-    return buf[skip:skip + size].reshape(shape)
 
 
 def _partition_schedule(q_offsets, num_keys, num_partitions, block_k, num_threads):
@@ -745,12 +738,12 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
 @body
 def aligned_empty(size, like):
     """An uninitialised 1-D array of ``size`` elements of ``like``'s dtype that starts on a
-    64-byte boundary (CPU kernels; the driver uses :func:`_aligned_array`).
+    64-byte boundary (CPU only; plain Python or compiled).
 
     NumPy's large arrays start 16 bytes past one (the allocator's header) and Numba's on a
     32-byte one, where every other 64-byte vector load or store of a row crosses two cache
-    lines.  Used for the queries and scores of the CPU decode kernel, and (through
-    :func:`_aligned_array`) its partial outputs: from memory, old against new in the same
+    lines.  Used for the queries and scores of the CPU decode kernel, and by its driver
+    for the partial outputs of the worker threads' items: from memory, old against new in the same
     rounds, one thread 1.01-1.05x (varying between processes), chunks of 8 query rows
     1.07x, two threads 1.00-1.02x.
     """

@@ -403,11 +403,13 @@ def test_cpu_tiles_of_short_rows_are_longer():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_scratch_starts_on_a_64_byte_boundary(dtype):
-    """The partial outputs (allocated by the driver) and the kernel's queries and scores
-    start on a cache line (NumPy's large arrays start 16 bytes past one, Numba's 32)."""
+def test_scratch_starts_on_a_64_byte_boundary(dtype, rng, monkeypatch):
+    """The partial outputs of the worker threads' items (allocated by the driver) and the
+    kernel's queries and scores start on a cache line (NumPy's large arrays start 16 bytes
+    past one, Numba's 32)."""
+    from numattn import decode as decode_module
     from numattn._jit import cpu_jit
-    from numattn.decode import _aligned_array, aligned_empty
+    from numattn.decode import aligned_empty
 
     like = np.zeros(1, dtype)
     compiled = cpu_jit(aligned_empty)
@@ -416,9 +418,21 @@ def test_scratch_starts_on_a_64_byte_boundary(dtype):
             scratch = make(size, like)
             assert scratch.shape == (size,) and scratch.dtype == dtype
             assert scratch.ctypes.data % 64 == 0
-        parts = _aligned_array((2, 3, size), np.dtype(dtype))
-        assert parts.shape == (2, 3, size) and parts.dtype == dtype and parts.flags.c_contiguous
-        assert parts.ctypes.data % 64 == 0
+    states = []
+    partial_states = decode_module._partial_states_cpu
+
+    def keep(*args):
+        states.append(partial_states(*args))
+        return states[-1]
+
+    monkeypatch.setattr(decode_module, "_partial_states_cpu", keep)
+    k, v = (randn(rng, (2, 1100, 8, 64), dtype) for _ in range(2))  # > SERIAL_KV_BYTES
+    decode_attention(randn(rng, (2, 32, 64), dtype), k, v, num_partitions=3)
+    part_acc = states[0][2]
+    assert part_acc.shape == (2, 3, 32, 64) and part_acc.flags.c_contiguous
+    assert part_acc.ctypes.data % 64 == 0
+
+
 def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
     """Flash runs problems of <= flash.MULTI_QUERY_MAX_LEN rows per sequence, with enough work,
     most rows in use and a cache long for the rows, on decode's kernels; others on its own
