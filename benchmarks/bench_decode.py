@@ -18,8 +18,14 @@ numattn's repeats is printed too, as the noise to read the figures against.
 cores).  ``--threads 1`` shows how much of one core's own read rate the kernel reaches:
 where one core alone can read nearly as fast as all of them (a core then waits for memory
 less than when the cores share a link), the kernel's arithmetic, not the memory, sets
-its pace.  On the 2-core machine of the decode issue one core reads 28-31 GB/s alone, and
-decode reaches 59-65% of it (B=8 N=4096), against 79-87% of the two-core rate.
+its pace.  On the 2-core AMD machine of the decode issue's first sessions one core read
+28-31 GB/s alone, and decode reached 59-65% of it (B=8 N=4096), against 79-87% of the
+two-core rate; on the 2-core Intel machine of 2026-12-01 one core reads 13-16 GB/s, two
+22-30, and decode reaches 67-74% of one and 57-68% of two.
+
+The probe is :func:`numattn.bench.read_all_fn`: eight sequential streams per thread, which
+read about twice what one stream (NumPy's ``sum``) reads on that Intel machine.  torch is
+imported before Numba starts its threads (see :func:`numattn.bench.torch_or_none`).
 """
 
 from __future__ import annotations
@@ -91,6 +97,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    # torch first: see torch_or_none
+    torch = torch_or_none()
     import numba
 
     threads = min(args.threads, numba.config.NUMBA_NUM_THREADS)  # Numba's pool is the cap
@@ -99,7 +107,6 @@ def main(argv=None):
     width = max(14, 2 + max(len(case[0]) for case in cases))
     dtype = np.dtype(args.dtype)
     rng = np.random.default_rng(0)
-    torch = torch_or_none()
     if torch is not None:
         torch.set_num_threads(threads)
     read_all, read_bytes = read_all_fn(threads=threads)

@@ -19,11 +19,12 @@ import itertools
 import json
 import os
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from ._jit import body, prange
 
 __all__ = [
     "BenchResult",
@@ -95,25 +96,70 @@ def gemm_gflops(dtype=np.float32, n=2048, repeat=5):
     return 2.0 * n**3 / t / 1e9
 
 
-def read_all_fn(megabytes=1024, threads=None):
-    """A callable reading ``megabytes`` MiB with one thread per core, and the bytes it reads.
+#: Sequential streams each thread of the read-bandwidth probe walks at once (written out in
+#: :func:`_read_words`).
+READ_STREAMS = 8
+#: The probe's streams start this many 8-byte words short of a power of two apart.
+READ_STREAM_SKEW = 104
 
-    Each thread sums its slice of a large array: NumPy's ``sum`` releases the GIL and
-    streams at the core's full read rate, so the threads together read as fast as all
-    cores can.
+
+def read_all_fn(megabytes=1024, threads=None):
+    """A callable reading about ``megabytes`` MiB with one thread per core (it returns the
+    bytes it read), and that count.
+
+    Each thread sums its share of a large array of 64-bit integers as
+    :data:`READ_STREAMS` sequential streams at once (:func:`_read_words`, compiled:
+    integer sums vectorise without fast-math), so that the probe reads as fast as the cores
+    can.  One stream per thread is not that limit on every machine: on the 2-core Intel
+    machine of the decode issue NumPy's ``sum`` read 7 GB/s per core where eight streams
+    read 14-16 (and two cores 13 against 24-27 GB/s; twelve streams were no faster than
+    eight).  The streams start :data:`READ_STREAM_SKEW` words short of a power of two
+    apart: streams a power of two apart share cache sets and read at 8 GB/s instead.
     """
+    from ._jit import cpu_jit
+
     threads = threads or os.cpu_count() or 1
-    data = np.ones(megabytes * 2**20 // 8, dtype=np.float64)
-    parts = np.array_split(data, threads)
+    words = np.ones(megabytes * 2**20 // 8, dtype=np.int64)
+    stream_words = _stream_words(words.size, threads)
+    if stream_words < 1:
+        raise ValueError(f"read_all_fn: {megabytes} MiB is too little for {threads} threads")
+    read_words = cpu_jit(_read_words, parallel=True)
+    read_words(words[:READ_STREAMS * (READ_STREAM_SKEW + 1)], 1)  # compile (or load) first
 
     def read_all():
-        workers = [threading.Thread(target=np.sum, args=(part,)) for part in parts]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
+        return int(read_words(words, threads)) * words.itemsize  # bytes read (words of 1)
 
-    return read_all, data.nbytes
+    return read_all, threads * READ_STREAMS * stream_words * words.itemsize
+
+
+@body
+def _stream_words(num_words, threads):
+    """Words per stream of :func:`_read_words` over ``num_words`` words."""
+    return num_words // threads // READ_STREAMS - READ_STREAM_SKEW
+
+
+def _read_words(words, num_threads):
+    """Sum of the words the read-bandwidth probe reads: ``num_threads`` equal shares of
+    ``words``, each read as :data:`READ_STREAMS` streams of :func:`_stream_words` words."""
+    per_thread = words.size // num_threads
+    n = _stream_words(words.size, num_threads)
+    sums = np.zeros(num_threads, dtype=np.int64)
+    for t in prange(num_threads):
+        w = words[t * per_thread:]
+        w0, w1, w2, w3 = w[:n], w[n:2 * n], w[2 * n:3 * n], w[3 * n:4 * n]
+        w4, w5, w6, w7 = w[4 * n:5 * n], w[5 * n:6 * n], w[6 * n:7 * n], w[7 * n:8 * n]
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0
+        for i in range(n):
+            s0 += w0[i]
+            s1 += w1[i]
+            s2 += w2[i]
+            s3 += w3[i]
+            s4 += w4[i]
+            s5 += w5[i]
+            s6 += w6[i]
+            s7 += w7[i]
+        sums[t] = s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7
+    return sums.sum()
 
 
 @functools.cache
@@ -124,7 +170,15 @@ def read_bandwidth_gbs(megabytes=1024, repeat=9, threads=None):
 
 
 def torch_or_none():
-    """``torch`` (using every core) when it is installed, else ``None``."""
+    """``torch`` (using every core) when it is installed, else ``None``.
+
+    Call it before anything starts Numba's threads (a parallel kernel, or
+    ``numba.set_num_threads``).  PyTorch's wheels carry their own ``libgomp.so.1``; where
+    Numba's OpenMP layer has loaded the system's first, torch runs on that one, and its CPU
+    ``scaled_dot_product_attention`` took 3-12x as long (the decode issue's B=8 N=4096: 250-650
+    ms against 52-66 ms in the other order; pytorch/pytorch#98836), a baseline no user
+    who imports torch first would see.
+    """
     try:
         import torch
     except ImportError:

@@ -120,8 +120,25 @@ def test_read_all_fn_reads_the_requested_bytes():
     from numattn.bench import read_all_fn
 
     read_all, nbytes = read_all_fn(megabytes=8, threads=2)
-    assert nbytes == 8 * 2**20
-    read_all()  # runs, reading every slice once
+    assert 0.99 * 8 * 2**20 < nbytes <= 8 * 2**20
+    assert read_all() == nbytes  # every word it counts read once (the words are all 1)
+
+
+@pytest.mark.parametrize("num_words, threads", [(8 * 105, 1), (10**5, 1), (10**5 + 7, 2),
+                                                (2**20, 3)])
+def test_read_probe_streams_stay_in_range(num_words, threads):
+    # plain Python slices come out short where a stream would run past the array (the
+    # compiled kernel does not check), and the compiled kernel sums the same words
+    import numpy as np
+
+    from numattn._jit import cpu_jit
+    from numattn.bench import READ_STREAMS, _read_words, _stream_words
+
+    words = np.ones(num_words, dtype=np.int64)
+    expected = threads * READ_STREAMS * _stream_words(num_words, threads)
+    assert expected > 0
+    assert _read_words(words, threads) == expected
+    assert cpu_jit(_read_words, parallel=True)(words, threads) == expected
 
 
 def test_cli_usage_errors():
