@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ._jit import body, prange
+from ._jit import body, cpu_jit, prange
 
 __all__ = [
     "BenchResult",
@@ -116,8 +116,6 @@ def read_all_fn(megabytes=1024, threads=None):
     eight).  The streams start :data:`READ_STREAM_SKEW` words short of a power of two
     apart: streams a power of two apart share cache sets and read at 8 GB/s instead.
     """
-    from ._jit import cpu_jit
-
     threads = threads or os.cpu_count() or 1
     words = np.ones(megabytes * 2**20 // 8, dtype=np.int64)
     stream_words = _stream_words(words.size, threads)

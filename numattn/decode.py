@@ -365,19 +365,17 @@ def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     part_m = np.empty((batch, parts, num_rows), dtype)
     part_l = np.empty((batch, parts, num_rows), dtype)
     shape = (batch, parts, num_rows, q.shape[2])
-    # on a cache line for the worker threads' items; a call on the calling thread (short,
-    # as a rule) keeps np.empty: aligning costs 1 us, more than its split lines cost it
-    if parallel:
-        part_acc = aligned_empty(math.prod(shape), q).reshape(shape)
-    else:
-        part_acc = np.empty(shape, dtype)
     if parallel:
         import numba
 
+        # on a cache line for the worker threads' items; a call on the calling thread
+        # (short, as a rule) keeps np.empty: aligning costs 1 us, more than it saves there
+        part_acc = aligned_empty(math.prod(shape), q).reshape(shape)
         item_order, thread_starts = cpu_jit(_partition_schedule)(
             q_offsets, layout.num_keys, parts, block_k, numba.get_num_threads()
         )
     else:
+        part_acc = np.empty(shape, dtype)
         item_order = np.arange(batch * parts, dtype=np.int64)
         thread_starts = np.array([0, batch * parts], dtype=np.int64)
     cpu_jit(_decode_partitions_cpu, parallel=parallel)(

@@ -401,7 +401,6 @@ def test_cpu_tiles_of_short_rows_are_longer():
     assert tile(1, 64, np.float32, block_k=TILE_BYTES) == TILE_BYTES
 
 
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_scratch_starts_on_a_64_byte_boundary(dtype, rng, monkeypatch):
     """The partial outputs of the worker threads' items (allocated by the driver) and the
