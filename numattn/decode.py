@@ -64,7 +64,7 @@ from ._validate import (
     shape_of,
 )
 from .config import MHAConfig, resolve_config
-from .flash import _softmax_tile_f32, _softmax_tile_f64
+from .flash import _softmax_tile
 from .kv_cache import KVCache, KVLayout, kv_page_slot, resolve_kv
 from .masks import (
     TILE_FULL,
@@ -381,9 +381,8 @@ def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     cpu_jit(_decode_partitions_cpu, parallel=parallel)(
         q, q_offsets, q_start_pos, max_q_len, layout.k_blocks, layout.v_blocks,
         layout.page_size, layout.lookup_table, layout.row_base, layout.num_keys, program,
-        additive, has_additive, scale, block_k, tile_keys, dtype == np.float32,
-        _prefetch_lines(layout, dtype), _whole_tile_values(layout, dtype), item_order,
-        thread_starts, part_m, part_l, part_acc,
+        additive, has_additive, scale, block_k, tile_keys, _prefetch_lines(layout, dtype),
+        _whole_tile_values(layout, dtype), item_order, thread_starts, part_m, part_l, part_acc,
     )
     return part_m, part_l, part_acc
 
@@ -627,7 +626,7 @@ def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out,
 # --------------------------------------------------------------------------------------
 def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blocks,
                            page_size, lookup_table, row_base, num_keys, program, additive,
-                           has_additive, scale, block_k, tile_keys, single, prefetch_lines,
+                           has_additive, scale, block_k, tile_keys, prefetch_lines,
                            tile_values, item_order, thread_starts, part_m, part_l, part_acc):
     """Partial states ``part_* [B, P, R(, D)]``: one work item ``b P + p`` per (sequence
     ``b``, partition ``p``); thread ``t`` computes items
@@ -640,7 +639,7 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
     V rows once (rows past a sequence's own length are computed and never read).  Per tile
     of keys: the scores of all rows (:func:`_tile_scores`: each token's ``[Hkv, D]`` K row
     read in one sweep), the mask, a vectorised online-softmax step
-    (:func:`numattn.flash._softmax_tile_f32`, Cephes ``expf`` over the whole tile), then the
+    (:func:`numattn.flash._softmax_tile`, Cephes' ``exp`` over the whole tile), then the
     weighted V rows (:func:`_tile_values`).  Scores use ``q * scale`` (scaled once).
 
     Partitions are aligned to ``block_k`` keys, tiles hold ``tile_keys`` (a multiple of it:
@@ -661,7 +660,6 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
         h_buf = np.empty(num_rows * tile_keys, dtype=np.bool_)
         seen_buf = np.empty(max_q_len * tile_keys, dtype=np.bool_)
         alpha = np.empty(num_rows, dtype=q.dtype)
-        bits = np.empty(tile_keys, dtype=np.int64)
         pages = np.empty(tile_keys + PREFETCH_KEYS, dtype=np.int64)
         slots = np.empty(tile_keys + PREFETCH_KEYS, dtype=np.int64)
         keys = np.empty(tile_keys, dtype=np.int64)
@@ -719,10 +717,7 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
                                 bias = key_bias(additive, b, h, s, k0 + keys[i])
                             hidden[r, i] = not seen[s, i] or bias == -math.inf
                             scores[r, i] = -math.inf if hidden[r, i] else scores[r, i] + bias
-                if single:
-                    _softmax_tile_f32(scores, m, l, alpha, bits.view(np.int32))
-                else:
-                    _softmax_tile_f64(scores, m, l, alpha, bits)
+                _softmax_tile(scores, m, l, alpha)
                 for r in range(num_rows):
                     a = alpha[r]
                     if a != 1:

@@ -18,8 +18,9 @@ tile of ``group * block_q`` rows, and for each tile of ``block_k`` keys:
 2. the K and V rows of the tile are gathered through the page table into contiguous
    scratch, so every cache layout feeds the same BLAS calls;
 3. ``S = Q K^T`` (one GEMM), the per-element mask and additive tensor where needed (as one
-   run of visible keys per row when the mask has no ``|``), then the online-softmax update,
-   with a polynomial exponential that LLVM vectorises, turns ``S`` into ``P``;
+   run of visible keys per row when the mask has no ``|``), then the online-softmax update
+   (:func:`_softmax_tile`: a row's max, then a polynomial exponential and the row's sum in
+   explicit vector code, :mod:`numattn._simd`) turns ``S`` into ``P``;
 4. ``acc = alpha * acc + P V`` (a second GEMM).
 
 Partially masked tiles are cut into runs of a few query positions, each trimmed to the keys it
@@ -40,7 +41,7 @@ import numpy as np
 
 from ._jit import body, cpu_jit, prange
 from ._schedule import zigzag_schedule
-from ._simd import lane_sum
+from ._simd import exp_row, row_max
 from ._softmax import finish_row
 from ._validate import (
     check_array,
@@ -411,7 +412,7 @@ def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_addi
             layout.k_blocks, layout.v_blocks, layout.page_size, layout.lookup_table,
             layout.row_base, layout.num_keys, program, additive, bool(has_additive),
             dtype.type(scale), sinks, has_sink, group, config.block_q, config.block_k,
-            _SUB_Q, dtype == np.float32, out, lse_buf, want_lse,
+            _SUB_Q, out, lse_buf, want_lse,
         )
 
 
@@ -443,46 +444,19 @@ _SUB_Q = 16  # query positions per sub-tile of a PARTIAL tile (each trimmed to i
 
 
 @body
-def _softmax_tile_f32(scores, m_run, l_run, alpha, bits):
-    """Online-softmax step of a float32 tile, vectorised: ``scores`` become ``P``.
+def _softmax_tile(scores, m_run, l_run, alpha):
+    """Online-softmax step of a tile, vectorised: ``scores`` become ``P``.
 
     For each row: ``m_new = max(m_run, max_j s_j)``, ``p_j = e^(s_j - m_new)``,
-    ``alpha = e^(m_run - m_new)`` and ``l_run = alpha l_run + sum_j p_j``.  The row maximum
-    is taken on order-preserving integer images of the floats (an integer max vectorises
-    where a float one, which must respect NaN, does not; a NaN maps above ``+inf`` whatever
-    its sign bit: ``inf - inf`` gives a NaN with the sign bit set on x86), and ``e^x`` is
-    Cephes' ``expf``: ``x = n ln2 + r``, a degree-6 polynomial for ``e^r`` and ``2^n`` made
-    from exponent bits in ``bits`` (an int32 scratch at least as long as a row).  ``e^x`` is
-    exactly 0 below the float32 range (so for ``-inf``) and NaN propagates.
+    ``alpha = e^(m_run - m_new)`` and ``l_run = alpha l_run + sum_j p_j``: the row's maximum
+    (NaN if it holds one) by :func:`numattn._simd.row_max`, then ``p`` and its sum by
+    :func:`numattn._simd.exp_row` (Cephes' ``expf`` or ``exp`` in vectors of sixteen lanes:
+    ``e^x`` is exactly 0 below the dtype's range, so for ``-inf``, and NaN propagates).
     """
     kw = scores.shape[1]
-    pow2 = bits.view(np.float32)
-    flip = np.int32(0x7FFFFFFF)
-    inf_bits = np.int32(0x7F800000)
-    lo = np.float32(-87.33654)
-    log2e = np.float32(1.44269504088896341)
-    c1 = np.float32(0.693359375)
-    c2 = np.float32(-2.12194440e-4)
-    half = np.float32(0.5)
-    one = np.float32(1.0)
-    p0 = np.float32(1.9875691500e-4)
-    p1 = np.float32(1.3981999507e-3)
-    p2 = np.float32(8.3334519073e-3)
-    p3 = np.float32(4.1665795894e-2)
-    p4 = np.float32(1.6666665459e-1)
-    p5 = np.float32(5.0000001201e-1)
     for i in range(scores.shape[0]):
         row = scores[i]
-        row_bits = row.view(np.int32)
-        top = np.int32(-2147483648)
-        for j in range(kw):
-            v = row_bits[j]
-            size = v & flip
-            v = size if size > inf_bits else v  # a NaN is the largest, whatever its sign bit
-            v = v ^ ((v >> np.int32(31)) & flip)
-            top = max(top, v)
-        bits[0] = top ^ ((top >> np.int32(31)) & flip)
-        tile_max = pow2[0]
+        tile_max = row_max(row, kw)
         m_old = m_run[i]
         m_new = m_old if m_old >= tile_max else tile_max
         if m_new == -np.inf:  # nothing visible yet
@@ -490,75 +464,7 @@ def _softmax_tile_f32(scores, m_run, l_run, alpha, bits):
                 row[j] = 0
             alpha[i] = 1
             continue
-        for j in range(kw):
-            x = row[j] - m_new
-            xc = max(x, lo)
-            n = np.floor(xc * log2e + half)
-            r = xc - n * c1 - n * c2
-            y = (((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5) * (r * r) + r + one
-            bits[j] = 0 if x < lo else (np.int32(n) + np.int32(127)) << np.int32(23)
-            p = (x if x != x else y) * pow2[j]  # the store and load of 2^n stay in registers
-            row[j] = p
-        total = lane_sum(row, kw)
-        a = math.exp(m_old - m_new)
-        alpha[i] = a
-        m_run[i] = m_new
-        l_run[i] = l_run[i] * a + total
-
-
-@body
-def _softmax_tile_f64(scores, m_run, l_run, alpha, bits):
-    """:func:`_softmax_tile_f32` for float64 tiles (``bits`` is an int64 scratch).
-
-    ``e^r`` is Cephes' rational approximation (``exp`` in ``cephes/exp.c``, about 1 ulp) and
-    ``e^x`` is 0 below ``-708`` (where the true value is below the smallest normal double).
-    """
-    kw = scores.shape[1]
-    pow2 = bits.view(np.float64)
-    flip = np.int64(0x7FFFFFFFFFFFFFFF)
-    inf_bits = np.int64(0x7FF0000000000000)
-    lo = -708.0
-    log2e = 1.4426950408889634074
-    c1 = 6.93145751953125e-1
-    c2 = 1.42860682030941723212e-6
-    p0 = 1.26177193074810590878e-4
-    p1 = 3.02994407707441961300e-2
-    p2 = 9.99999999999999999910e-1
-    q0 = 3.00198505138664455042e-6
-    q1 = 2.52448340349684104192e-3
-    q2 = 2.27265548208155028766e-1
-    q3 = 2.00000000000000000009e0
-    for i in range(scores.shape[0]):
-        row = scores[i]
-        row_bits = row.view(np.int64)
-        top = np.int64(-9223372036854775808)
-        for j in range(kw):
-            v = row_bits[j]
-            size = v & flip
-            v = size if size > inf_bits else v  # a NaN is the largest, whatever its sign bit
-            v = v ^ ((v >> np.int64(63)) & flip)
-            top = max(top, v)
-        bits[0] = top ^ ((top >> np.int64(63)) & flip)
-        tile_max = pow2[0]
-        m_old = m_run[i]
-        m_new = m_old if m_old >= tile_max else tile_max
-        if m_new == -np.inf:  # nothing visible yet
-            for j in range(kw):
-                row[j] = 0
-            alpha[i] = 1
-            continue
-        for j in range(kw):
-            x = row[j] - m_new
-            xc = max(x, lo)
-            n = np.floor(xc * log2e + 0.5)
-            r = xc - n * c1 - n * c2
-            rr = r * r
-            px = r * ((p0 * rr + p1) * rr + p2)
-            y = 1.0 + 2.0 * (px / (((q0 * rr + q1) * rr + q2) * rr + q3 - px))
-            bits[j] = 0 if x < lo else (np.int64(n) + np.int64(1023)) << np.int64(52)
-            p = (x if x != x else y) * pow2[j]
-            row[j] = p
-        total = lane_sum(row, kw)
+        total = exp_row(row, kw, m_new)
         a = math.exp(m_old - m_new)
         alpha[i] = a
         m_run[i] = m_new
@@ -661,9 +567,9 @@ def _key_extent(program, q0, q1, k0, kw):
 
 
 @body
-def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, bits, visible, k_tile,
+def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible, k_tile,
                v_tile, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k0, group, program,
-               has_additive, additive, bm, kv_head, row0, single):
+               has_additive, additive, bm, kv_head, row0):
     """One online-softmax step of query positions ``[r0, r1)`` over tile keys ``[ka, kb)``.
 
     ``S = Q K^T`` and ``acc = alpha acc + P V`` are two BLAS GEMMs on contiguous views of
@@ -706,10 +612,7 @@ def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, bits, visible
     m_rows = m_run[i0: i0 + rows]
     l_rows = l_run[i0: i0 + rows]
     alpha_rows = alpha[:rows]
-    if single:
-        _softmax_tile_f32(scores, m_rows, l_rows, alpha_rows, bits.view(np.int32))
-    else:
-        _softmax_tile_f64(scores, m_rows, l_rows, alpha_rows, bits)
+    _softmax_tile(scores, m_rows, l_rows, alpha_rows)
     pv = pv_buf[: rows * head_dim].reshape(rows, head_dim)
     if elementwise and not v_finite:
         _pv_visible_only(scores, values, program, pos0 + r0, k0 + ka, group, has_additive,
@@ -742,7 +645,7 @@ def _flash_kernel(q, q_offsets, q_start_pos, item_seq, item_head, item_row0, ite
                   k_blocks,
                   v_blocks, page_size, lookup_table, row_base, num_keys, program, additive,
                   has_additive, scale, sinks, has_sink, group, block_q, block_k, sub_q,
-                  single, out, lse, want_lse):
+                  out, lse, want_lse):
     head_dim = q.shape[2]
     dtype = q.dtype
     widest = 0  # rows of the widest item (at most block_q): scratch for the stacked rows
@@ -761,21 +664,20 @@ def _flash_kernel(q, q_offsets, q_start_pos, item_seq, item_head, item_row0, ite
         row_state = np.empty((3, max_rows), dtype=dtype)
         k_tile = np.empty(block_k * head_dim, dtype=dtype)
         v_tile = np.empty(block_k * head_dim, dtype=dtype)
-        bits = np.empty(block_k, dtype=np.int64)
         visible = np.empty(block_k, dtype=np.bool_)
         for item in range(starts[thread], starts[thread + 1]):
             _run_item(q, q_offsets, q_start_pos, item_seq[item], item_head[item], item_row0[item],
                       item_width[item], k_blocks, v_blocks, page_size, lookup_table, row_base,
                       num_keys, program, additive, has_additive, scale, sinks, has_sink, group,
-                      block_k, sub_q, single, out, lse, want_lse, q_buf, acc_buf, pv_buf, s_buf,
-                      row_state, k_tile, v_tile, bits, visible)
+                      block_k, sub_q, out, lse, want_lse, q_buf, acc_buf, pv_buf, s_buf,
+                      row_state, k_tile, v_tile, visible)
 
 
 @body
 def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_blocks,
               page_size, lookup_table, row_base, num_keys, program, additive, has_additive,
-              scale, sinks, has_sink, group, block_k, sub_q, single, out, lse, want_lse, q_buf,
-              acc_buf, pv_buf, s_buf, row_state, k_tile, v_tile, bits, visible):
+              scale, sinks, has_sink, group, block_k, sub_q, out, lse, want_lse, q_buf,
+              acc_buf, pv_buf, s_buf, row_state, k_tile, v_tile, visible):
     """Compute one work item: ``width`` query rows from ``row0`` of sequence ``b``, one KV head."""
     head_dim = q.shape[2]
     zero = scale - scale  # 0 of q's dtype
@@ -822,10 +724,10 @@ def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_bl
                 v_tile[j * head_dim + d] = x
                 v_finite &= x - x == zero  # NaN for NaN and inf
         if status == TILE_NONE and not has_additive:
-            _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, bits, visible,
+            _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible,
                        k_tile, v_tile, head_dim, v_finite, first, width, first, kw,
                        not elementwise, pos0, k0, group, program, has_additive, additive, bm,
-                       kv_head, row0, single)
+                       kv_head, row0)
             continue
         # Partially masked: blocks of sub_q positions, each trimmed to the keys it sees;
         # consecutive unmasked blocks run as one taller step.
@@ -839,18 +741,17 @@ def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_bl
                     run0 = r0 if run0 < 0 else run0
                     continue
             if run0 >= 0:  # flush the unmasked run [run0, r0)
-                _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, bits,
+                _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha,
                            visible, k_tile, v_tile, head_dim, v_finite, run0,
                            min(r0, width), first, kw, not elementwise, pos0, k0, group,
-                           program, has_additive, additive, bm, kv_head, row0, single)
+                           program, has_additive, additive, bm, kv_head, row0)
                 run0 = first - 1
             if sub == TILE_FULL:
                 continue
             ka, kb = _key_extent(program, pos0 + r0, pos0 + r1 - 1, k0, kw)
-            _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, bits, visible,
+            _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible,
                        k_tile, v_tile, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0,
-                       k0, group, program, has_additive, additive, bm, kv_head, row0,
-                       single)
+                       k0, group, program, has_additive, additive, bm, kv_head, row0)
     for r in range(width):
         for hl in range(group):
             h = h0 + hl

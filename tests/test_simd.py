@@ -2,7 +2,8 @@
 float64, built for every vector width (so this machine also checks the AVX and SSE/NEON
 code), in both dtypes, for blocks of 1, 2 and 4 query heads, head dimensions with and
 without a tail, and blocks cut short by the end of a tile (and the whole-tile sums of
-short rows); the row sum of the online softmax; and decode's block order."""
+short rows); the row max, exponentials and sum of the online softmax; and decode's block
+order."""
 
 from __future__ import annotations
 
@@ -183,23 +184,101 @@ def test_values_tiles(vector_bytes, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lane_sum_is_the_same_for_every_vector_width_and_uncompiled(dtype, rng):
-    """The row sum of the online softmax: bitwise the plain definition's, whatever the
-    vector width it is built for (its order is the sixteen lanes', not the machine's)."""
-    def compiled_sum(vector_bytes):
-        lane_sum = _simd.build_intrinsics(vector_bytes)["lane_sum"]
-        return numba.njit(lambda row, n: lane_sum(row, n))
-
-    sums = {vector_bytes: compiled_sum(vector_bytes) for vector_bytes in WIDTHS}
+def test_lane_sum(dtype, rng):
+    """The order of the online softmax's row sums (:func:`test_exp_row` checks that the
+    compiled sums follow it bitwise): the sum of the first ``n`` elements, in the dtype."""
     for n in [0, 1, 15, 16, 17, 100, 128, 1000]:
         row = randn(rng, n + 5, dtype)  # elements past n must not count
-        expected = dtype(_simd.lane_sum(row, n))
-        assert expected.dtype == dtype
-        assert abs(expected - row[:n].astype(np.float64).sum()) <= 1e-5 * (n + 1)
-        for vector_bytes, compiled in sums.items():
-            assert dtype(compiled(row, n)).tobytes() == expected.tobytes(), (vector_bytes, n)
+        total = _simd.lane_sum(row, n)
+        assert total.dtype == dtype
+        assert abs(total - row[:n].astype(np.float64).sum()) <= 1e-5 * (n + 1)
+    row = randn(rng, 40, dtype) * dtype(1000)
+    lanes = row[:16] + row[16:32]  # lane u: elements u, u + 16, u + 32 in turn
+    lanes[:8] += row[32:]
+    for width in [8, 4, 2, 1]:  # then halves added to halves
+        lanes = lanes[:width] + lanes[width:2 * width]
+    assert _simd.lane_sum(row, 40).tobytes() == lanes[0].tobytes()
+
+
+@functools.cache
+def compiled_row_functions(vector_bytes):
+    """``row_max`` and ``exp_row`` built for ``vector_bytes`` (their lanes are sixteen
+    whatever the width), jitted."""
+    built = _simd.build_intrinsics(vector_bytes)
+    row_max, exp_row = built["row_max"], built["exp_row"]
+    return (numba.njit(lambda row, n: row_max(row, n)),
+            numba.njit(lambda row, n, m: exp_row(row, n, m)))
+
+
+def softmax_row(rng, n, dtype, special):
+    """A row of ``n`` scores of ``dtype`` (``special``: with -inf, a large, a tiny and, past
+    the first, a NaN of either sign among them), followed by five elements that must not
+    count."""
+    row = randn(rng, n + 5, dtype) * dtype(20)
+    row[n:] = dtype(1e30)  # past the row: neither its max nor its sum may see these
+    if special and n >= 4:
+        row[rng.integers(n)] = -np.inf
+        row[rng.integers(n)] = dtype(-1e4)  # e^x far below the dtype's range: exactly 0
+        row[rng.integers(n)] = dtype(np.finfo(dtype).tiny)
+    return row
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_max(dtype, rng):
+    """The largest element, NaN (either sign) above everything, -inf for an empty row;
+    compiled for every vector width and uncompiled alike."""
+    for vector_bytes in WIDTHS:
+        compiled, _ = compiled_row_functions(vector_bytes)
+        for n in [0, 1, 15, 16, 17, 40, 128, 1000]:
+            for special in [False, True]:
+                row = softmax_row(rng, n, dtype, special)
+                expected = row[:n].max() if n else -np.inf
+                for got in compiled(row, n), _simd.row_max(row, n):
+                    assert got == expected, (vector_bytes, n, special)
+                if n >= 2:
+                    for nan in [np.nan, -np.nan, -(np.inf - np.inf)]:
+                        with_nan = row.copy()
+                        with_nan[n - 2] = nan
+                        assert np.isnan(compiled(with_nan, n)) and np.isnan(
+                            _simd.row_max(with_nan, n))
+        all_hidden = np.full(20, -np.inf, dtype)
+        assert compiled(all_hidden, 20) == -np.inf
+        assert compiled(np.array([np.inf, 1], dtype), 2) == np.inf
     with pytest.raises(numba.core.errors.TypingError, match="contiguous"):
-        sums[64](randn(rng, 8, dtype)[::2], 4)
+        compiled_row_functions(64)[0](randn(rng, 8, dtype)[::2], 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exp_row(dtype, rng):
+    """``e^(s - m)`` in place within 2 ulp of float64 ``exp`` of the rounded ``s - m``
+    (exactly 0 below the dtype's range, NaN where ``s`` is NaN), elements past ``n``
+    untouched, and the sum of the new row in :func:`numattn._simd.lane_sum`'s order,
+    bitwise; compiled for every vector width and uncompiled alike."""
+    ulp = np.finfo(dtype).eps
+    smallest = np.finfo(dtype).tiny
+    for vector_bytes in WIDTHS:
+        _, compiled = compiled_row_functions(vector_bytes)
+        for n in [0, 1, 15, 16, 17, 40, 128, 1000]:
+            for special in [False, True]:
+                row = softmax_row(rng, n, dtype, special)
+                if special and n >= 2:
+                    row[n - 1] = np.nan
+                m = row[:n][~np.isnan(row[:n])].max() if n else dtype(0)
+                with np.errstate(invalid="ignore"):
+                    x = row[:n] - dtype(m)  # rounded as the kernel rounds it
+                expected = np.exp(x.astype(np.float64))
+                for run in compiled, _simd.exp_row:
+                    got = row.copy()
+                    total = run(got, n, dtype(m))
+                    assert dtype(total).tobytes() == dtype(_simd.lane_sum(got, n)).tobytes()
+                    assert np.array_equal(got[n:], row[n:])
+                    assert np.array_equal(np.isnan(got[:n]), np.isnan(row[:n]))
+                    normal = expected >= smallest
+                    assert np.all(np.abs(got[:n][normal] - expected[normal])
+                                  <= 2 * ulp * expected[normal]), (vector_bytes, n, run)
+                    assert np.all(got[:n][expected < smallest * 2**-30] == 0)
+    with pytest.raises(numba.core.errors.TypingError, match="dtype"):
+        compiled_row_functions(64)[1](randn(rng, 8, np.float32), 4, 0.0)
 
 
 def test_values_tile_fits():
