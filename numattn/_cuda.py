@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import numpy as np
@@ -19,7 +20,19 @@ def simulator_enabled() -> bool:
 
 @functools.cache
 def get_cuda():
-    """Import and return ``numba.cuda``; raise :class:`CudaUnavailableError` if impossible."""
+    """Import and return ``numba.cuda`` from numba-cuda; raise :class:`CudaUnavailableError`
+    where that is not installed.
+
+    The ``numba.cuda`` that Numba itself still ships (deprecated since Numba 0.61, replaced
+    by the numba-cuda package of the ``cuda`` extra) cannot compile numattn's kernels: with
+    Numba 0.68 the decode and cross attention kernels failed to compile with a ``TypeError``
+    from inside its compiler, so it is not used.
+    """
+    if importlib.util.find_spec("numba_cuda") is None:
+        raise CudaUnavailableError(
+            "CUDA support needs numba-cuda: pip install 'numattn[cuda]' (the numba.cuda "
+            "that numba itself ships, deprecated, cannot compile numattn's kernels)"
+        )
     try:
         from numba import cuda
     except ImportError as exc:  # pragma: no cover - depends on the install

@@ -59,6 +59,9 @@ def _nvvm_available() -> bool:
     if CUDASIM:
         return False
     try:
+        from numattn._cuda import get_cuda
+
+        get_cuda()  # numba-cuda, not numba's own numba.cuda
         from numba.cuda.cudadrv import nvvm
 
         return nvvm.is_available()
@@ -75,7 +78,8 @@ def ptx_compiler(monkeypatch):
     GPU-less machine.  Skips (with the reason) where NVVM is missing or under the simulator.
     """
     if not _nvvm_available():
-        pytest.skip("needs NVVM from the 'cuda' extra (numba-cuda[cu12]) and no simulator")
+        pytest.skip("needs numba-cuda and NVVM from the 'cuda' extra (numba-cuda[cu12]) and "
+                    "no simulator")
     from numba.cuda import compile_ptx
     from numba.cuda import dispatcher as cuda_dispatcher
 

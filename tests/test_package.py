@@ -139,17 +139,40 @@ def _trivial_cuda_kernel(x, y):
 
 @pytest.mark.skipif(CUDASIM, reason="checks the error raised where there is no GPU")
 def test_cuda_request_without_gpu_is_a_clear_error():
-    from numattn._cuda import CudaUnavailableError, require_cuda
+    from numattn._cuda import CudaUnavailableError, get_cuda, require_cuda
 
     try:
-        from numba import cuda
-
-        if cuda.is_available():
+        if get_cuda().is_available():
             pytest.skip("a GPU is present")
-    except ImportError:
-        pass
+    except CudaUnavailableError:
+        pytest.skip("numba-cuda is not installed (test_cuda_needs_numba_cuda)")
     with pytest.raises(CudaUnavailableError, match="no CUDA GPU"):
         require_cuda()
+
+
+def test_cuda_needs_numba_cuda(monkeypatch):
+    """Without the numba-cuda package, CUDA is unavailable with a message that says what to
+    install (Numba's own deprecated ``numba.cuda`` cannot compile the kernels)."""
+    import importlib.util
+
+    from numattn import _cuda
+
+    find_spec = importlib.util.find_spec
+
+    def without_numba_cuda(name, *args):
+        return None if name == "numba_cuda" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_numba_cuda)
+    _cuda.get_cuda.cache_clear()
+    try:
+        with pytest.raises(_cuda.CudaUnavailableError, match=r"numattn\[cuda\]"):
+            _cuda.get_cuda()
+        assert not _cuda.is_available()
+        with pytest.raises(_cuda.CudaUnavailableError, match="numba-cuda"):
+            _cuda.require_cuda()
+    finally:
+        monkeypatch.undo()
+        _cuda.get_cuda.cache_clear()
 
 
 _REDUCE_ONCE = """
