@@ -20,8 +20,8 @@ where one core alone can read nearly as fast as all of them (a core then waits f
 less than when the cores share a link), the kernel's arithmetic, not the memory, sets
 its pace.  On the 2-core AMD machine of the decode issue's first sessions one core read
 28-31 GB/s alone, and decode reached 59-65% of it (B=8 N=4096), against 79-87% of the
-two-core rate; on the 2-core Intel machine of 2026-12-01 one core reads 13-16 GB/s, two
-22-30, and decode reaches 64-74% of one and 57-69% of two.
+two-core rate; on the 2-core Intel machine of 2026-12-01 one core reads 13-19 GB/s, two
+18-36, and decode reaches 64-75% of one and 57-72% of two (see docs/performance.rst).
 
 The probe is :func:`numattn.bench.read_all_fn`: eight sequential streams per thread, which
 read about twice what one stream (NumPy's ``sum``) reads on that Intel machine.  torch is
