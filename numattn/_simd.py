@@ -131,6 +131,13 @@ EXP_Q = (3.00198505138664455042e-6, 2.52448340349684104192e-3, 2.272655482081550
          2.00000000000000000009e0)
 
 
+def exponent_field(dtype):
+    """``(mantissa bits, exponent bias)`` of a float dtype: ``2^k`` has the bits
+    ``(k + bias) << mantissa`` (for ``k`` in the normal range)."""
+    info = np.finfo(dtype)
+    return int(info.nmant), int(info.maxexp) - 1
+
+
 def exp_row(row, n, m):
     """``row[j] = e^(row[j] - m)`` for ``j < n`` (1-D, contiguous, ``m`` of its dtype and at
     least every element that is not NaN), and the sum of the new elements as
@@ -157,8 +164,7 @@ def exp_row(row, n, m):
             px = r * ((EXP_P[0] * rr + EXP_P[1]) * rr + EXP_P[2])
             qx = ((EXP_Q[0] * rr + EXP_Q[1]) * rr + EXP_Q[2]) * rr + EXP_Q[3]
             y = 1 + 2 * (px / (qx - px))
-        mantissa = 8 * size - 1 - (8 if size == 4 else 11)
-        bias = 2 ** (8 * size - 2 - mantissa) - 1
+        mantissa, bias = exponent_field(row.dtype)
         int_type = np.dtype(f"i{size}").type
         scale = ((k.astype(int_type) + int_type(bias)) << int_type(mantissa)).view(row.dtype)
         scale = np.where(x < low, dtype(0), scale)
@@ -700,7 +706,7 @@ def build_intrinsics(vector_bytes):
             vec = Vectors(context, builder, row_ty.dtype, lanes=SUM_LANES)
             size = vec.itemsize
             int_type = ir.VectorType(ir.IntType(8 * size), SUM_LANES)
-            mantissa = 23 if size == 4 else 52
+            mantissa, bias = exponent_field(np.dtype(f"f{size}"))
 
             def splat(value):
                 return ir.Constant(vec.type, [value] * SUM_LANES)
@@ -733,8 +739,7 @@ def build_intrinsics(vector_bytes):
                     y = vec.fma(splat(2.0), ratio, splat(1.0))
                 exponent = builder.shl(
                     builder.add(builder.fptosi(k, int_type),
-                                ir.Constant(int_type, [2 ** (7 if size == 4 else 10) - 1]
-                                            * SUM_LANES)),
+                                ir.Constant(int_type, [bias] * SUM_LANES)),
                     ir.Constant(int_type, [mantissa] * SUM_LANES))
                 scale = builder.select(builder.fcmp_ordered("<", x, low), splat(0.0),
                                        builder.bitcast(exponent, vec.type))
