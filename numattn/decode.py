@@ -52,7 +52,7 @@ from ._simd import (
     values_tile_2,
     values_tile_4,
 )
-from ._softmax import exp_diff, finish_row, max_nan, merge_weight
+from ._softmax import exp_diff, finish_row, max_nan, merge_weight, softmax_tile
 from ._validate import (
     check_array,
     check_float_dtype,
@@ -64,7 +64,6 @@ from ._validate import (
     shape_of,
 )
 from .config import MHAConfig, resolve_config
-from .flash import _softmax_tile
 from .kv_cache import KVCache, KVLayout, kv_page_slot, resolve_kv
 from .masks import (
     TILE_FULL,
@@ -639,7 +638,7 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
     V rows once (rows past a sequence's own length are computed and never read).  Per tile
     of keys: the scores of all rows (:func:`_tile_scores`: each token's ``[Hkv, D]`` K row
     read in one sweep), the mask, a vectorised online-softmax step
-    (:func:`numattn.flash._softmax_tile`, Cephes' ``exp`` over the whole tile), then the
+    (:func:`numattn._softmax.softmax_tile`, Cephes' ``exp`` over the whole tile), then the
     weighted V rows (:func:`_tile_values`).  Scores use ``q * scale`` (scaled once).
 
     Partitions are aligned to ``block_k`` keys, tiles hold ``tile_keys`` (a multiple of it:
@@ -717,7 +716,7 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
                                 bias = key_bias(additive, b, h, s, k0 + keys[i])
                             hidden[r, i] = not seen[s, i] or bias == -math.inf
                             scores[r, i] = -math.inf if hidden[r, i] else scores[r, i] + bias
-                _softmax_tile(scores, m, l, alpha)
+                softmax_tile(scores, m, l, alpha)
                 for r in range(num_rows):
                     a = alpha[r]
                     if a != 1:

@@ -19,8 +19,8 @@ tile of ``group * block_q`` rows, and for each tile of ``block_k`` keys:
    scratch, so every cache layout feeds the same BLAS calls;
 3. ``S = Q K^T`` (one GEMM), the per-element mask and additive tensor where needed (as one
    run of visible keys per row when the mask has no ``|``), then the online-softmax update
-   (:func:`_softmax_tile`: a row's max, then a polynomial exponential and the row's sum in
-   explicit vector code, :mod:`numattn._simd`) turns ``S`` into ``P``;
+   (:func:`numattn._softmax.softmax_tile`: a row's max, then a polynomial exponential and
+   the row's sum in explicit vector code, :mod:`numattn._simd`) turns ``S`` into ``P``;
 4. ``acc = alpha * acc + P V`` (a second GEMM).
 
 Partially masked tiles are cut into runs of a few query positions, each trimmed to the keys it
@@ -41,8 +41,7 @@ import numpy as np
 
 from ._jit import body, cpu_jit, prange
 from ._schedule import zigzag_schedule
-from ._simd import exp_row, row_max
-from ._softmax import finish_row
+from ._softmax import finish_row, softmax_tile
 from ._validate import (
     check_array,
     check_float_dtype,
@@ -444,34 +443,6 @@ _SUB_Q = 16  # query positions per sub-tile of a PARTIAL tile (each trimmed to i
 
 
 @body
-def _softmax_tile(scores, m_run, l_run, alpha):
-    """Online-softmax step of a tile, vectorised: ``scores`` become ``P``.
-
-    For each row: ``m_new = max(m_run, max_j s_j)``, ``p_j = e^(s_j - m_new)``,
-    ``alpha = e^(m_run - m_new)`` and ``l_run = alpha l_run + sum_j p_j``: the row's maximum
-    (NaN if it holds one) by :func:`numattn._simd.row_max`, then ``p`` and its sum by
-    :func:`numattn._simd.exp_row` (Cephes' ``expf`` or ``exp`` in vectors of sixteen lanes:
-    ``e^x`` is exactly 0 below the dtype's range, so for ``-inf``, and NaN propagates).
-    """
-    kw = scores.shape[1]
-    for i in range(scores.shape[0]):
-        row = scores[i]
-        tile_max = row_max(row, kw)
-        m_old = m_run[i]
-        m_new = m_old if m_old >= tile_max else tile_max
-        if m_new == -np.inf:  # nothing visible yet
-            for j in range(kw):
-                row[j] = 0
-            alpha[i] = 1
-            continue
-        total = exp_row(row, kw, m_new)
-        a = math.exp(m_old - m_new)
-        alpha[i] = a
-        m_run[i] = m_new
-        l_run[i] = l_run[i] * a + total
-
-
-@body
 def _visible_span(program, q_idx, k0, kw):
     """Keys ``[jlo, jhi)`` of ``k0 .. k0 + kw - 1`` that ``q_idx`` sees, as one run.
 
@@ -612,7 +583,7 @@ def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible, k_ti
     m_rows = m_run[i0: i0 + rows]
     l_rows = l_run[i0: i0 + rows]
     alpha_rows = alpha[:rows]
-    _softmax_tile(scores, m_rows, l_rows, alpha_rows)
+    softmax_tile(scores, m_rows, l_rows, alpha_rows)
     pv = pv_buf[: rows * head_dim].reshape(rows, head_dim)
     if elementwise and not v_finite:
         _pv_visible_only(scores, values, program, pos0 + r0, k0 + ka, group, has_additive,
