@@ -113,8 +113,9 @@ def check_row_offsets(name, offsets, total, total_name, *, batch=None):
         )
     if offsets[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
-    if np.any(np.diff(offsets) < 0):
-        bad = int(np.argmax(np.diff(offsets) < 0))
+    decreasing = offsets[1:] < offsets[:-1]
+    if decreasing.any():
+        bad = int(np.argmax(decreasing))
         raise ValueError(
             f"{name} must be non-decreasing, but {name}[{bad + 1}] = {offsets[bad + 1]} < "
             f"{name}[{bad}] = {offsets[bad]}"
@@ -124,6 +125,12 @@ def check_row_offsets(name, offsets, total, total_name, *, batch=None):
             f"{name}[-1] must equal {total_name} = {total}, got {offsets[-1]}"
         )
     return offsets
+
+
+def row_counts(offsets):
+    """Rows of each sequence, ``offsets[b + 1] - offsets[b]``, of int64 row offsets (what
+    ``np.diff`` gives, without its few microseconds of Python on every call)."""
+    return offsets[1:] - offsets[:-1]
 
 
 def check_scale(scale, head_dim, dtype=np.float64):

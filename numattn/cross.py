@@ -40,6 +40,7 @@ from ._validate import (
     check_scale,
     dtype_of,
     host_int_array,
+    row_counts,
     shape_of,
 )
 from .config import resolve_config
@@ -161,7 +162,7 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
     q_offsets = check_row_offsets("q_input_row_offsets", q_input_row_offsets, num_tokens,
                                   "q.shape[0]")
     batch = q_offsets.shape[0] - 1
-    q_lens = np.diff(q_offsets)
+    q_lens = row_counts(q_offsets)
     longest_query = int(q_lens.max(initial=0))
     q_max_seq_len = _check_q_max_seq_len(q_max_seq_len, longest_query)
     scale = check_scale(scale, head_dim, dtype)
@@ -234,7 +235,7 @@ def _resolve_kv(k, v, kv_input_row_offsets, q_offsets, batch, dtype, device):
     if isinstance(k, KVCache):
         if batch == 0:  # nothing is read: accept a cache of any batch size
             return resolve_kv(k, v, batch=k.batch_size, dtype=dtype)
-        kv_lens = np.diff(q_offsets if kv_offsets is None else kv_offsets)
+        kv_lens = row_counts(q_offsets if kv_offsets is None else kv_offsets)
         return resolve_kv(k, v, batch=batch, dtype=dtype, kv_lens=kv_lens)
     if hasattr(k, "shape") and len(k.shape) == 3:
         offsets = q_offsets if kv_offsets is None else kv_offsets
@@ -246,7 +247,7 @@ def _resolve_kv(k, v, kv_input_row_offsets, q_offsets, batch, dtype, device):
         return resolve_kv(k, v, batch=batch, dtype=dtype, kv_offsets=offsets)
     layout = resolve_kv(k, v, batch=batch, dtype=dtype)
     if kv_offsets is not None and len(shape_of(k)) == 4:  # dense: first kv_len(b) rows
-        kv_lens = np.diff(kv_offsets)
+        kv_lens = row_counts(kv_offsets)
         n = shape_of(k)[1]
         if np.any(kv_lens > n):
             b = int(np.argmax(kv_lens > n))
@@ -328,7 +329,7 @@ def _cross_cuda(q, q_offsets, layout, program, additive, has_additive, scale, gr
         pages, page_size, hkv, d = shape_of(blocks)
         return on_device(blocks).reshape(pages * page_size, hkv, d)
 
-    q_lens = np.diff(q_offsets)
+    q_lens = row_counts(q_offsets)
     heads, rows, keys = _cuda_tiles(max(group, 1), dtype.itemsize, config.block_q,
                                     config.block_k, int(q_lens.max(initial=1)))
     # Work items: (sequence, first row) of every tile of ``rows`` query rows.

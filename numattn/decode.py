@@ -61,6 +61,7 @@ from ._validate import (
     check_out,
     check_scale,
     check_sink_weights,
+    row_counts,
     shape_of,
 )
 from .config import MHAConfig, resolve_config
@@ -439,7 +440,7 @@ def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
         part_m, part_l, part_acc, row_sinks, sink_weights is not None, rows_out, rows_lse
     )
     # back to [T, H(, D)]: query row t is local row t - q_offsets[b] of its sequence b
-    q_lens = np.diff(q_offsets)
+    q_lens = row_counts(q_offsets)
     seq = np.repeat(np.arange(batch), q_lens)
     local = np.arange(total) - np.repeat(q_offsets[:-1], q_lens)
     shape = (batch, num_kv_heads, max_q_len, group)

@@ -52,6 +52,7 @@ from ._validate import (
     check_scale,
     check_sink_weights,
     host_int_array,
+    row_counts,
     shape_of,
 )
 from .config import resolve_config
@@ -180,7 +181,7 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         q_offsets = check_row_offsets("q_input_row_offsets", q_input_row_offsets, total,
                                       "q.shape[0]")
         batch = q_offsets.shape[0] - 1
-        q_lens = np.diff(q_offsets)
+        q_lens = row_counts(q_offsets)
         if isinstance(k, KVCache):
             if kv_input_row_offsets is None:
                 kv_lens = q_lens
@@ -189,7 +190,7 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
                 last = int(kv_offsets[-1]) if kv_offsets.size else 0
                 kv_offsets = check_row_offsets("kv_input_row_offsets", kv_offsets, last,
                                                "its own last entry", batch=batch)
-                kv_lens = np.diff(kv_offsets)
+                kv_lens = row_counts(kv_offsets)
             layout = resolve_kv(k, v, batch=batch, dtype=dtype, kv_lens=kv_lens)
         else:
             check_array("k", k, ndim=(3, 4))
@@ -379,7 +380,7 @@ def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_addi
 
     from . import decode
 
-    q_lens = np.diff(q_offsets)
+    q_lens = row_counts(q_offsets)
     max_q_len = int(q_lens.max())
     # multiply-adds of the Q K^T and P V products (before the mask)
     work = 2 * int(np.dot(q_lens, layout.num_keys)) * num_heads * q.shape[2]

@@ -35,6 +35,7 @@ from ._validate import (
     check_row_offsets,
     dtype_of,
     host_int_array,
+    row_counts,
     shape_of,
 )
 
@@ -308,7 +309,7 @@ def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
     kv_offsets = check_row_offsets("kv_input_row_offsets", kv_offsets, t, "k.shape[0]",
                                    batch=batch)
     table = np.zeros((batch, 1), dtype=np.int64)
-    num_keys = np.diff(kv_offsets)
+    num_keys = row_counts(kv_offsets)
     return KVLayout(
         k.reshape(1, t, hkv, d), v.reshape(1, t, hkv, d), max(t, 1), table,
         kv_offsets[:-1].copy(), np.zeros(batch, np.int64), num_keys, hkv, d,
@@ -489,7 +490,7 @@ def store_kv(cache, new_rows, input_row_offsets):
         "input_row_offsets", input_row_offsets, new_rows.shape[0], "new_rows.shape[0]",
         batch=batch,
     )
-    kv_lens = np.diff(offsets)
+    kv_lens = row_counts(offsets)
     layout = _resolve_cache(cache, cache, batch=batch, dtype=dtype_of(cache.blocks),
                             kv_lens=kv_lens)
     seq = np.repeat(np.arange(batch), kv_lens)
