@@ -40,9 +40,10 @@ prefill 1.10x less and decode 1.03-1.07x less.
 Each function is plain NumPy here (its definition, and what runs uncompiled); :func:`register`
 gives it its compiled form (LLVM vectors as wide as the target's registers: 64 bytes with
 AVX-512, 32 with AVX, else 16; :func:`row_max` and :func:`exp_row` in sixteen lanes), and
-:func:`prefetch_row` its ``llvm.prefetch``.  :func:`numattn._jit.cpu_jit` calls
-:func:`register` before it binds any body (Numba is imported lazily).  Vector loads need the
-last axis of every array contiguous, as the kernels pass them.
+:func:`prefetch_row` and :func:`prefetch_head` their ``llvm.prefetch``.
+:func:`numattn._jit.cpu_jit` calls :func:`register` before it binds any body (Numba is
+imported lazily).  Vector loads need the last axis of every array contiguous, as the kernels
+pass them.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import numpy as np
 __all__ = [
     "exp_row",
     "lane_sum",
+    "prefetch_head",
     "prefetch_row",
     "register",
     "row_max",
@@ -179,6 +181,13 @@ def prefetch_row(blocks, page, slot, num_lines):
     starts (a hint, which never faults: nothing happens in plain Python)."""
 
 
+def prefetch_head(blocks, page, slot, head):
+    """Ask the CPU to start loading the lines of one KV head's row ``blocks[page, slot,
+    head]`` (a hint, which never faults: nothing happens in plain Python).  The flash
+    kernel's gather reads one head's row from each token's row of all heads, rows that
+    stride through memory and that the hardware prefetcher does not follow."""
+
+
 def _scores_block(rows):
     def scores_block(qs, h, k_blocks, j, pages, slots, i, n, scores):
         for b in range(BLOCK_KEYS):
@@ -255,7 +264,7 @@ def register():
 
         intrinsics = build_intrinsics(target_vector_bytes())
         for name, intrinsic in intrinsics.items():
-            forward = _FORWARDERS[name.rsplit("_", 1)[0]]
+            forward = _FORWARDERS.get(name) or _FORWARDERS[name.rsplit("_", 1)[0]]
             # inlined into the caller (as Numba IR): a call would pass every array field
             # by field, a few hundred bytes of arguments per block of sixteen dot products
             overload(globals()[name], inline="always")(forward(intrinsic))
@@ -304,6 +313,16 @@ def _forward_row(intrinsic):
     return typer
 
 
+def _forward_prefetch_head(intrinsic):
+    def typer(blocks, page, slot, head):
+        def impl(blocks, page, slot, head):
+            intrinsic(blocks, page, slot, head)
+
+        return impl
+
+    return typer
+
+
 def _forward_prefetch(intrinsic):
     def typer(blocks, page, slot, num_lines):
         def impl(blocks, page, slot, num_lines):
@@ -324,9 +343,12 @@ def _forward_exp_row(intrinsic):
     return typer
 
 
+#: The forwarder of each function, by its name or (the blocks in three sizes) the name's
+#: stem: ``scores_block_4`` is a ``scores_block``.
 _FORWARDERS = {"scores_block": _forward_scores, "values_block": _forward_values,
-               "values_tile": _forward_values_tile, "prefetch": _forward_prefetch,
-               "row": _forward_row, "exp": _forward_exp_row}
+               "values_tile": _forward_values_tile, "prefetch_row": _forward_prefetch,
+               "prefetch_head": _forward_prefetch_head, "row_max": _forward_row,
+               "exp_row": _forward_exp_row}
 
 
 @functools.cache
@@ -785,7 +807,33 @@ def build_intrinsics(vector_bytes):
 
         return sig, codegen
 
-    built = {"prefetch_row": prefetch, "row_max": row_max, "exp_row": exp_row}
+    @intrinsic
+    def prefetch_head(typingctx, blocks, page, slot, head):
+        sig = types.none(blocks, page, slot, head)
+
+        def codegen(context, builder, signature, args):
+            blocks_ty = signature.args[0]
+            blocks_v, page_v, slot_v, head_v = args
+            row = row_pointer(context, builder, blocks_ty, blocks_v,
+                              [page_v, slot_v, head_v, const(0)])
+            itemsize = np.dtype(str(blocks_ty.dtype)).itemsize
+            head_dim = last_dim(context, builder, blocks_ty, blocks_v)
+            start = builder.ptrtoint(row, i64)
+            end = builder.add(start, builder.mul(head_dim, const(itemsize)))
+            first = builder.and_(start, const(-64))  # the line that holds the row's start
+            lines = builder.udiv(builder.sub(builder.add(end, const(63)), first), const(64))
+            base = builder.inttoptr(first, ir.IntType(8).as_pointer())
+            with cgutils.for_range(builder, lines) as loop:
+                # read, high temporal locality (prefetcht0 on x86), data cache
+                call(builder, "llvm.prefetch.p0", ir.VoidType(),
+                     [builder.gep(base, [builder.mul(loop.index, const(64))]),
+                      ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    built = {"prefetch_row": prefetch, "prefetch_head": prefetch_head, "row_max": row_max,
+             "exp_row": exp_row}
     for rows in BLOCK_ROWS:
         built[f"scores_block_{rows}"] = make_scores(rows)
         built[f"values_block_{rows}"] = make_values(rows)

@@ -41,6 +41,7 @@ import numpy as np
 
 from ._jit import body, cpu_jit, prange
 from ._schedule import zigzag_schedule
+from ._simd import prefetch_head
 from ._softmax import finish_row, softmax_tile
 from ._validate import (
     check_array,
@@ -439,6 +440,13 @@ MULTI_QUERY_MAX_LEN = 16
 MULTI_QUERY_MIN_WORK = SERIAL_MULTIPLY_ADDS
 MULTI_QUERY_MIN_ACTIVE = 0.5
 MULTI_QUERY_MIN_KEYS_PER_ROW = 32
+#: The gather of a work item reads one KV head's row from each token's row of all heads:
+#: rows that stride through memory, which the hardware prefetcher does not follow, so that
+#: with a short query tile the gather's waits for memory took a fifth of the time (one
+#: tile of S=16 rows per sequence; 1.28-1.30x faster with the rows in cache).  It asks for
+#: the rows this many keys ahead: 1.03-1.09x faster there (B=4, S=16 or 24, N=200 or 4096,
+#: same rounds; 2 keys ahead 0.99-1.07x, 8 1.03-1.07x), prefill unchanged.
+GATHER_PREFETCH_KEYS = 4
 _CHUNK = 16  # keys per mask sub-tile when a PARTIAL tile is resolved row by row
 _SUB_Q = 16  # query positions per sub-tile of a PARTIAL tile (each trimmed to its keys)
 
@@ -685,9 +693,19 @@ def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_bl
         status = mask_tile_status(program, pos0, pos0 + width - 1, k0, k0 + kw - 1)
         if status == TILE_FULL:
             continue
-        # Gather the tile's keys and values through the page table.
+        # Gather the tile's keys and values through the page table, asking for the rows
+        # GATHER_PREFETCH_KEYS keys ahead.
         v_finite = True
+        for j in range(min(GATHER_PREFETCH_KEYS, kw)):
+            page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0 + j)
+            prefetch_head(k_blocks, page, slot, kv_head)
+            prefetch_head(v_blocks, page, slot, kv_head)
         for j in range(kw):
+            if j + GATHER_PREFETCH_KEYS < kw:
+                page, slot = kv_page_slot(lookup_table, page_size, row_base, b,
+                                          k0 + j + GATHER_PREFETCH_KEYS)
+                prefetch_head(k_blocks, page, slot, kv_head)
+                prefetch_head(v_blocks, page, slot, kv_head)
             page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0 + j)
             for d in range(head_dim):
                 k_tile[j * head_dim + d] = k_blocks[page, slot, kv_head, d]

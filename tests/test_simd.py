@@ -33,6 +33,7 @@ def kernels(vector_bytes):
     values_4, values_2, values_1 = (built[f"values_block_{r}"] for r in (4, 2, 1))
     tile_4, tile_2, tile_1 = (built[f"values_tile_{r}"] for r in (4, 2, 1))
     prefetch = built["prefetch_row"]
+    prefetch_head = built["prefetch_head"]
 
     @numba.njit
     def all_scores(blocks, group, qs, k_blocks, pages, slots, n, scores):
@@ -52,6 +53,7 @@ def kernels(vector_bytes):
         for i in range(0, n - n % 4, 4):
             for h, rows in blocks:
                 j = h // group
+                prefetch_head(v_blocks, pages[i + 3], slots[i + 3], j)  # (the flash gather's)
                 if rows == 4:
                     values_4(weights, h, v_blocks, j, pages, slots, i, acc)
                 elif rows == 2:
