@@ -442,10 +442,12 @@ MULTI_QUERY_MIN_ACTIVE = 0.5
 MULTI_QUERY_MIN_KEYS_PER_ROW = 32
 #: The gather of a work item reads one KV head's row from each token's row of all heads:
 #: rows that stride through memory, which the hardware prefetcher does not follow, so that
-#: with a short query tile the gather's waits for memory took a fifth of the time (one
-#: tile of S=16 rows per sequence; 1.28-1.30x faster with the rows in cache).  It asks for
-#: the rows this many keys ahead: 1.03-1.09x faster there (B=4, S=16 or 24, N=200 or 4096,
-#: same rounds; 2 keys ahead 0.99-1.07x, 8 1.03-1.07x), prefill unchanged.
+#: with a short query tile the gather's waits for memory took about a fifth of the time
+#: (B=4, one tile of S=16 or 24 rows per sequence: 1.28-1.30x faster with the rows in
+#: cache).  It asks for the rows this many keys ahead: 1.04-1.08x faster there (N=200 or
+#: 4096, two runs of 15 rounds; 2 keys ahead 0.99-1.07x, 8 1.03-1.07x), S=64 1.00-1.05x,
+#: prefill unchanged.  (Items of all KV heads, whose gather reads each token's whole row,
+#: were 0.86-1.00x.)
 GATHER_PREFETCH_KEYS = 4
 _CHUNK = 16  # keys per mask sub-tile when a PARTIAL tile is resolved row by row
 _SUB_Q = 16  # query positions per sub-tile of a PARTIAL tile (each trimmed to its keys)
