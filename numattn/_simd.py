@@ -264,7 +264,7 @@ def register():
 
         intrinsics = build_intrinsics(target_vector_bytes())
         for name, intrinsic in intrinsics.items():
-            forward = _FORWARDERS.get(name) or _FORWARDERS[name.rsplit("_", 1)[0]]
+            forward = _FORWARDERS[name]
             # inlined into the caller (as Numba IR): a call would pass every array field
             # by field, a few hundred bytes of arguments per block of sixteen dot products
             overload(globals()[name], inline="always")(forward(intrinsic))
@@ -343,12 +343,14 @@ def _forward_exp_row(intrinsic):
     return typer
 
 
-#: The forwarder of each function, by its name or (the blocks in three sizes) the name's
-#: stem: ``scores_block_4`` is a ``scores_block``.
-_FORWARDERS = {"scores_block": _forward_scores, "values_block": _forward_values,
-               "values_tile": _forward_values_tile, "prefetch_row": _forward_prefetch,
-               "prefetch_head": _forward_prefetch_head, "row_max": _forward_row,
-               "exp_row": _forward_exp_row}
+#: The forwarder of each function, by its name.
+_FORWARDERS = {
+    "prefetch_row": _forward_prefetch, "prefetch_head": _forward_prefetch_head,
+    "row_max": _forward_row, "exp_row": _forward_exp_row,
+    **{f"scores_block_{rows}": _forward_scores for rows in BLOCK_ROWS},
+    **{f"values_block_{rows}": _forward_values for rows in BLOCK_ROWS},
+    **{f"values_tile_{rows}": _forward_values_tile for rows in BLOCK_ROWS},
+}
 
 
 @functools.cache

@@ -647,19 +647,20 @@ def _flash_kernel(q, q_offsets, q_start_pos, item_seq, item_head, item_row0, ite
         k_tile = np.empty(block_k * head_dim, dtype=dtype)
         v_tile = np.empty(block_k * head_dim, dtype=dtype)
         visible = np.empty(block_k, dtype=np.bool_)
+        key_rows = np.empty((2, block_k), dtype=np.int64)  # page and slot of each key
         for item in range(starts[thread], starts[thread + 1]):
             _run_item(q, q_offsets, q_start_pos, item_seq[item], item_head[item], item_row0[item],
                       item_width[item], k_blocks, v_blocks, page_size, lookup_table, row_base,
                       num_keys, program, additive, has_additive, scale, sinks, has_sink, group,
                       block_k, sub_q, out, lse, want_lse, q_buf, acc_buf, pv_buf, s_buf,
-                      row_state, k_tile, v_tile, visible)
+                      row_state, k_tile, v_tile, visible, key_rows)
 
 
 @body
 def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_blocks,
               page_size, lookup_table, row_base, num_keys, program, additive, has_additive,
               scale, sinks, has_sink, group, block_k, sub_q, out, lse, want_lse, q_buf,
-              acc_buf, pv_buf, s_buf, row_state, k_tile, v_tile, visible):
+              acc_buf, pv_buf, s_buf, row_state, k_tile, v_tile, visible, key_rows):
     """Compute one work item: ``width`` query rows from ``row0`` of sequence ``b``, one KV head."""
     head_dim = q.shape[2]
     zero = scale - scale  # 0 of q's dtype
@@ -695,20 +696,23 @@ def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_bl
         status = mask_tile_status(program, pos0, pos0 + width - 1, k0, k0 + kw - 1)
         if status == TILE_FULL:
             continue
-        # Gather the tile's keys and values through the page table, asking for the rows
-        # GATHER_PREFETCH_KEYS keys ahead.
-        v_finite = True
-        for j in range(min(GATHER_PREFETCH_KEYS, kw)):
-            page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0 + j)
-            prefetch_head(k_blocks, page, slot, kv_head)
-            prefetch_head(v_blocks, page, slot, kv_head)
+        # Gather the tile's keys and values through the page table (each key's page and
+        # slot found once), asking for the rows GATHER_PREFETCH_KEYS keys ahead.
+        pages = key_rows[0]
+        slots = key_rows[1]
         for j in range(kw):
-            if j + GATHER_PREFETCH_KEYS < kw:
-                page, slot = kv_page_slot(lookup_table, page_size, row_base, b,
-                                          k0 + j + GATHER_PREFETCH_KEYS)
-                prefetch_head(k_blocks, page, slot, kv_head)
-                prefetch_head(v_blocks, page, slot, kv_head)
-            page, slot = kv_page_slot(lookup_table, page_size, row_base, b, k0 + j)
+            pages[j], slots[j] = kv_page_slot(lookup_table, page_size, row_base, b, k0 + j)
+        for j in range(min(GATHER_PREFETCH_KEYS, kw)):
+            prefetch_head(k_blocks, pages[j], slots[j], kv_head)
+            prefetch_head(v_blocks, pages[j], slots[j], kv_head)
+        v_finite = True
+        for j in range(kw):
+            ahead = j + GATHER_PREFETCH_KEYS
+            if ahead < kw:
+                prefetch_head(k_blocks, pages[ahead], slots[ahead], kv_head)
+                prefetch_head(v_blocks, pages[ahead], slots[ahead], kv_head)
+            page = pages[j]
+            slot = slots[j]
             for d in range(head_dim):
                 k_tile[j * head_dim + d] = k_blocks[page, slot, kv_head, d]
             for d in range(head_dim):
