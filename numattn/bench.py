@@ -15,6 +15,7 @@ The machine is shared and noisy: compare ratios and medians, not single runs.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import json
 import os
@@ -461,7 +462,23 @@ def _plot(results, path):
     fig.savefig(path, dpi=120)
 
 
+def output_problem(json_path, plot_path):
+    """Why ``--json``/``--plot`` could not be written, or ``None``: asked before the cases run
+    (minutes), not found out after them."""
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            return f"{flag} {path}: no such directory"
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib (pip install matplotlib, or the [plot] extra)"
+    return None
+
+
 def main(args) -> int:
+    problem = output_problem(args.json, args.plot)
+    if problem is not None:
+        print(f"numattn bench: error: {problem}", file=sys.stderr)
+        return 2
+
     def progress(done, total, name):
         if sys.stderr.isatty():
             bar = "#" * (30 * done // max(total, 1))

@@ -93,6 +93,27 @@ def test_cli_bench_quick_writes_json(tmp_path):
     assert row["fraction_of_limit"] == pytest.approx(row["rate"] / row["limit"])
 
 
+def test_cli_bench_refuses_outputs_it_could_not_write_before_running(tmp_path):
+    result = _cli("bench", "--quick", "--json", str(tmp_path / "missing" / "bench.json"))
+    assert result.returncode == 2 and "--json" in result.stderr
+    assert "no such directory" in result.stderr and "Traceback" not in result.stderr
+    assert "machine:" not in result.stdout  # no case ran
+
+
+def test_bench_plot_without_matplotlib_is_refused_up_front(tmp_path, monkeypatch):
+    import importlib.util
+
+    from numattn import bench
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    plot = str(tmp_path / "bench.png")
+    assert "needs matplotlib" in bench.output_problem(None, plot)
+    assert bench.output_problem(str(tmp_path / "bench.json"), None) is None
+    assert "--plot" in bench.output_problem(None, str(tmp_path / "no" / "bench.png"))
+
+
 def test_interleaved_medians_times_every_callable_in_each_round():
     from numattn.bench import interleaved_medians
 
