@@ -462,7 +462,7 @@ def _plot(results, path):
     fig.savefig(path, dpi=120)
 
 
-def output_problem(json_path, plot_path):
+def _output_problem(json_path, plot_path):
     """Why ``--json``/``--plot`` could not be written, or ``None``: asked before the cases run
     (minutes), not found out after them."""
     for flag, path in (("--json", json_path), ("--plot", plot_path)):
@@ -474,7 +474,7 @@ def output_problem(json_path, plot_path):
 
 
 def main(args) -> int:
-    problem = output_problem(args.json, args.plot)
+    problem = _output_problem(args.json, args.plot)
     if problem is not None:
         print(f"numattn bench: error: {problem}", file=sys.stderr)
         return 2

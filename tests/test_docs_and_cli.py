@@ -109,9 +109,9 @@ def test_bench_plot_without_matplotlib_is_refused_up_front(tmp_path, monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
     plot = str(tmp_path / "bench.png")
-    assert "needs matplotlib" in bench.output_problem(None, plot)
-    assert bench.output_problem(str(tmp_path / "bench.json"), None) is None
-    assert "--plot" in bench.output_problem(None, str(tmp_path / "no" / "bench.png"))
+    assert "needs matplotlib" in bench._output_problem(None, plot)
+    assert bench._output_problem(str(tmp_path / "bench.json"), None) is None
+    assert "--plot" in bench._output_problem(None, str(tmp_path / "no" / "bench.png"))
 
 
 def test_interleaved_medians_times_every_callable_in_each_round():
