@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 import numattn
-from numattn.bench import interleaved_times, torch_or_none
+from numattn.bench import at_least, interleaved_times, torch_or_none
 from numattn.cross import cross_attention
 from numattn.flash import flash_attention_kv_cache
 
@@ -82,7 +82,7 @@ def gemm_rate(dtype, n=1024, repeat=7):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--repeat", type=at_least(1), default=15)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     args = parser.parse_args(argv)
     dtype = np.dtype(args.dtype)

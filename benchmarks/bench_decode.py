@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 import numattn
-from numattn.bench import interleaved_times, read_all_fn, torch_or_none
+from numattn.bench import at_least, interleaved_times, read_all_fn, torch_or_none
 from numattn.decode import decode_attention
 
 CASES = [
@@ -87,16 +87,14 @@ def parse_case(text):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--repeat", type=at_least(1), default=15)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--case", type=parse_case, action="append", metavar="B,H,HKV,N,D",
                         help="run this shape instead of the named ones (repeatable)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+    parser.add_argument("--threads", type=at_least(1), default=os.cpu_count() or 1,
                         help="threads for numattn, torch and the bandwidth probe "
                              "(default: all cores)")
     args = parser.parse_args(argv)
-    if args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
     # torch first: see torch_or_none
     torch = torch_or_none()
     import numba

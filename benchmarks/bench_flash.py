@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 from numattn import CausalMask, PagedKVCache, SlidingWindowCausalMask
-from numattn.bench import gemm_gflops, interleaved_times, torch_or_none
+from numattn.bench import at_least, gemm_gflops, interleaved_times, torch_or_none
 from numattn.flash import flash_attention_kv_cache
 
 
@@ -171,7 +171,7 @@ def memory_case():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--repeat", type=at_least(1), default=7)
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-window", action="store_true")
     parser.add_argument("--skip-float64", action="store_true")

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import numattn
 from numattn import flash
-from numattn.bench import interleaved_times, torch_or_none
+from numattn.bench import at_least, interleaved_times, torch_or_none
 from numattn.flash import flash_attention_kv_cache
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 128
@@ -66,7 +66,7 @@ def on_path(fn, decode_kernels):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--repeat", type=at_least(1), default=9)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     torch = torch_or_none()

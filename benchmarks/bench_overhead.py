@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 import numattn
-from numattn.bench import torch_or_none
+from numattn.bench import at_least, torch_or_none
 from numattn.cross import cross_attention
 from numattn.decode import decode_attention
 from numattn.flash import flash_attention_kv_cache
@@ -111,8 +111,8 @@ def per_call_times(fns, *, calls, rounds):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=200, help="calls per block")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=at_least(1), default=200, help="calls per block")
+    parser.add_argument("--rounds", type=at_least(1), default=15)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     torch = torch_or_none()

@@ -41,6 +41,7 @@ from numattn import (
 )
 from numattn._cuda import require_cuda
 from numattn._jit import cuda_kernel
+from numattn.bench import at_least
 from numattn.decode import decode_attention
 
 TOLERANCE = {np.dtype(np.float32): 2e-4, np.dtype(np.float64): 1e-10}
@@ -209,7 +210,7 @@ def _auto_partitions(cuda, num_keys, blocks, config):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CUDA simulator)")
-    parser.add_argument("--repeat", type=int, default=None)
+    parser.add_argument("--repeat", type=at_least(1), default=None)
     args = parser.parse_args(argv)
     cuda = require_cuda()
     repeat = args.repeat or (1 if args.tiny else 10)

@@ -33,6 +33,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
     args = parser.parse_args()
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1, got {args.runs}")
     runs = _runs(CODE, args.runs)
     numpy_alone = statistics.median(float(r[0]) for r in _runs(BASE, args.runs))
     median = statistics.median(float(r[0]) for r in runs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .bench import at_least
+
 
 def _demo(args) -> int:
     from .demo import run_demo
@@ -49,21 +51,6 @@ def _bench(args) -> int:
     return main(args)
 
 
-def _at_least(minimum):
-    """An argparse type: an integer >= ``minimum``."""
-
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="numattn",
@@ -80,14 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small shapes, under a minute")
     bench.add_argument("--only", action="append", default=None,
                        help="run only cases whose name contains this (repeatable)")
-    bench.add_argument("--repeat", type=_at_least(1), default=None, help="timed runs per case")
+    bench.add_argument("--repeat", type=at_least(1), default=None, help="timed runs per case")
     bench.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw the figures (needs matplotlib)")
     bench.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="prefill + generate with a toy GPT and a paged KV cache")
-    demo.add_argument("--batch", type=_at_least(1), default=4)
-    demo.add_argument("--new-tokens", type=_at_least(2), default=32,
+    demo.add_argument("--batch", type=at_least(1), default=4)
+    demo.add_argument("--new-tokens", type=at_least(2), default=32,
                       help="tokens to generate per sequence (the rate counts steps after the "
                            "first)")
     demo.add_argument("--seed", type=int, default=0)

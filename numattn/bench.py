@@ -14,6 +14,7 @@ The machine is shared and noisy: compare ratios and medians, not single runs.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.util
 import itertools
@@ -53,6 +54,22 @@ def median_time(fn, *, repeat=5, warmup=1):
         fn()
         times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+def at_least(minimum):
+    """An argparse type: an integer >= ``minimum`` (the command line's and the benchmark
+    scripts' counts of runs, threads and sizes)."""
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def interleaved_times(fns, *, repeat=5, warmup=1, rotate=False):

@@ -67,7 +67,20 @@ def test_bench_decode_script_runs_a_case_on_one_thread():
     assert re.search(r"^B=2 H=4/2 N=300 D=16 .* \d+%", result.stdout, flags=re.M)
     result = subprocess.run([sys.executable, str(script), "--threads", "0"],
                             capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert result.returncode == 2 and "--threads must be >= 1" in result.stderr
+    assert result.returncode == 2 and "--threads: must be at least 1, got 0" in result.stderr
+
+
+@pytest.mark.parametrize("script, flag", [
+    ("bench_cross.py", "--repeat"), ("bench_decode.py", "--repeat"),
+    ("bench_flash.py", "--repeat"), ("bench_multi_query.py", "--repeat"),
+    ("bench_overhead.py", "--rounds"), ("gpu_check.py", "--repeat"),
+    ("import_time.py", "--runs"),
+])
+def test_benchmark_scripts_refuse_a_count_of_zero(script, flag):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), flag, "0"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 2 and "must be at least 1, got 0" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_check_reports_failures(monkeypatch):
