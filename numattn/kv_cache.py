@@ -211,6 +211,7 @@ class KVLayout(NamedTuple):
     head_dim: int
     max_keys: int  # num_keys.max() (0 for no sequence)
     total_keys: int  # num_keys.sum()
+    page_step: int  # lookup_table holds the caller's page p as p * page_step (_page_view)
 
 
 def _contiguous(x):
@@ -299,7 +300,7 @@ def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
         table = (np.arange(batch, dtype=np.int64) * step).reshape(batch, 1)
         return KVLayout(
             k, v, max(n, 1), table, np.zeros(batch, np.int64), np.zeros(batch, np.int64),
-            np.full(batch, n, np.int64), hkv, d, n if batch else 0, batch * n,
+            np.full(batch, n, np.int64), hkv, d, n if batch else 0, batch * n, step,
         )
     k = _contiguous(k)
     v = _contiguous(v)
@@ -313,7 +314,7 @@ def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
     return KVLayout(
         k.reshape(1, t, hkv, d), v.reshape(1, t, hkv, d), max(t, 1), table,
         kv_offsets[:-1].copy(), np.zeros(batch, np.int64), num_keys, hkv, d,
-        int(num_keys.max(initial=0)), int(kv_offsets[-1] - kv_offsets[0]),
+        int(num_keys.max(initial=0)), int(kv_offsets[-1] - kv_offsets[0]), 1,
     )
 
 
@@ -377,7 +378,7 @@ def _resolve_cache(k, v, *, batch, dtype, kv_lens):
         )
     return KVLayout(
         k_pages, v_pages, max(page_size, 1), kernel_table, np.zeros(batch, np.int64), lengths,
-        num_keys, hkv, d, max_keys, total_keys,
+        num_keys, hkv, d, max_keys, total_keys, step,
     )
 
 
@@ -496,7 +497,9 @@ def store_kv(cache, new_rows, input_row_offsets):
     seq = np.repeat(np.arange(batch), kv_lens)
     token = layout.cache_lengths[seq] + (np.arange(new_rows.shape[0]) - offsets[seq])
     pos = layout.row_base[seq] + token
-    pages = layout.lookup_table[seq, pos // layout.page_size]
+    # the caller's pages (the K or V half of a fused pool is read through a view whose
+    # page p * page_step is its page p)
+    pages = layout.lookup_table[seq, pos // layout.page_size] // layout.page_step
     slots = pos % layout.page_size
     cache.blocks[pages, slots] = new_rows
     return cache

@@ -8,7 +8,7 @@ import pytest
 import numattn
 from numattn.kv_cache import kv_page_slot, resolve_kv
 
-from .utils import make_cache
+from .utils import assert_close, make_cache
 
 F32 = np.dtype(np.float32)
 
@@ -386,6 +386,42 @@ def test_fused_pools_are_read_in_place(kind, rng):
     out = numattn.flash_attention_kv_cache(q4, *fused, numattn.CausalMask())
     want = numattn.flash_attention_kv_cache(q4, *plain, numattn.CausalMask())
     assert np.isfinite(out).all() and np.array_equal(out, want)
+
+
+@pytest.mark.parametrize("kind", ["paged", "continuous"])
+def test_store_kv_writes_the_pages_of_a_fused_pool(kind, rng):
+    """store_kv into the K and V halves of a fused pool writes the pages the table names
+    (it wrote page p * 2 of the pool, another sequence's, for table entry p), and the
+    operations then read what was stored."""
+    pool = np.zeros((4, 2, 3, 1, 2), np.float32)  # [pages, K/V, page_size, Hkv, D]
+    k_blocks, v_blocks = pool[:, 0], pool[:, 1]
+    if kind == "paged":
+        lengths, table = np.array([0, 2]), np.array([[1, 3], [2, 0]])
+        caches = [numattn.PagedKVCache(x, lengths, table) for x in (k_blocks, v_blocks)]
+        token_rows = [[(1, 0), (1, 1), (1, 2), (3, 0)], [(2, 2), (0, 0)]]  # (page, slot)
+    else:
+        lengths, table = np.array([0, 1]), np.array([3, 1])
+        caches = [numattn.ContinuousBatchingKVCache(x, lengths, table)
+                  for x in (k_blocks, v_blocks)]
+        token_rows = [[(3, 0), (3, 1), (3, 2)], [(1, 1), (1, 2)]]
+    new = [len(rows) for rows in token_rows]
+    offsets = np.concatenate([[0], np.cumsum(new)])
+    keys = rng.standard_normal((offsets[-1], 1, 2)).astype(np.float32)
+    values = rng.standard_normal(keys.shape).astype(np.float32)
+    numattn.store_kv(caches[0], keys, offsets)
+    numattn.store_kv(caches[1], values, offsets)
+    written = np.zeros(pool.shape[:3], bool)
+    for b, rows in enumerate(token_rows):
+        for i, (page, slot) in enumerate(rows):
+            row = offsets[b] + i
+            assert np.array_equal(pool[page, 0, slot], keys[row])
+            assert np.array_equal(pool[page, 1, slot], values[row])
+            written[page, :, slot] = True
+    assert not pool[~written].any()  # nothing else was touched
+    q = rng.standard_normal((offsets[-1], 2, 2)).astype(np.float32)
+    out = numattn.cross_attention(q, offsets, max(new), *caches, offsets)
+    want = numattn.reference.cross_attention(q, offsets, max(new), *caches, offsets)
+    assert_close(out, want, np.float32)
 
 
 def test_k_and_v_with_different_page_strides_are_copied(rng):
