@@ -83,7 +83,7 @@ def _leaf_tile(op, param, q0, q1, k0, k1):
     if op == OP_CAUSAL:
         return (1 if k0 <= q1 else 0), (1 if k1 > q0 else 0)
     if op == OP_SLIDING_WINDOW_CAUSAL:
-        vis = 1 if (k0 <= q1 and k1 >= q0 - param + 1) else 0
+        vis = 1 if (k0 <= q1 and q0 - k1 < param) else 0  # no q0 - param: it may wrap
         hid = 1 if (k1 > q0 or q1 - k0 >= param) else 0
         return vis, hid
     cq0 = q0 // param

@@ -67,7 +67,13 @@ def test_tile_status_is_sound(mask, rng):
         assert status in _brute_status(mask, q0, q1, k0, k1), (mask, q0, q1, k0, k1, status)
 
 
-@pytest.mark.parametrize("mask", LEAVES, ids=repr)
+#: Sizes no position reaches, read as the largest int64 (a window of it once wrapped
+#: ``q0 - window + 1`` past the int64 range for negative query positions, hiding the tile).
+HUGE_LEAVES = [M.SlidingWindowCausalMask(2**63 - 1), M.ChunkedMask(2**63 - 1),
+               M.ChunkedCausalMask(2**63 - 1)]
+
+
+@pytest.mark.parametrize("mask", LEAVES + HUGE_LEAVES, ids=repr)
 def test_leaf_tile_status_is_exact(mask, rng):
     """For single masks the status is exact: NONE/FULL whenever the tile is all/none visible."""
     program, _ = M.compile_mask(mask)
@@ -168,6 +174,14 @@ def test_sizes_past_every_position_act_as_no_limit(size, rng):
         assert np.allclose(got, expected, atol=1e-5), mask
         expected = numattn.reference.decode_attention(q[:, 0], k, v, same_as)
         got = numattn.decode_attention(q[:, 0], k, v, mask)
+        assert np.allclose(got, expected, atol=1e-5), mask
+        # more queries than keys: the first query rows sit at negative positions (where
+        # chunk -1 is not chunk 0: against the reference with the mask itself)
+        ragged = q.reshape(12, 2, 4)
+        expected = numattn.reference.flash_attention_kv_cache(
+            ragged, k[0], v[0], mask, q_input_row_offsets=[0, 12], kv_input_row_offsets=[0, 9])
+        got = numattn.flash_attention_kv_cache(
+            ragged, k[0], v[0], mask, q_input_row_offsets=[0, 12], kv_input_row_offsets=[0, 9])
         assert np.allclose(got, expected, atol=1e-5), mask
 
 
