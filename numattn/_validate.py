@@ -73,12 +73,22 @@ def check_shape(name, x, expected, what=""):
         raise ValueError(f"{name} must have shape {want}{suffix}, got {list(shape)}")
 
 
+def to_host(x):
+    """``x`` itself if it is not a device array, else a host (NumPy) copy of it: Numba's
+    device arrays (also the CUDA simulator's) and anything with
+    ``__cuda_array_interface__``."""
+    if isinstance(x, np.ndarray) or not is_device_array(x):
+        return x
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    from ._cuda import get_cuda
+
+    return get_cuda().as_cuda_array(x).copy_to_host()
+
+
 def host_int_array(name, x, *, ndim=1):
     """A host int64 copy of an integer index array (host or device)."""
-    if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
-        from ._cuda import get_cuda
-
-        x = get_cuda().as_cuda_array(x).copy_to_host()
+    x = to_host(x)
     if not isinstance(x, np.ndarray):
         if isinstance(x, (list, tuple)):
             try:
@@ -159,12 +169,7 @@ def check_sink_weights(sink_weights, num_heads, dtype):
         return None
     if isinstance(sink_weights, (list, tuple)):
         sink_weights = np.asarray(sink_weights, dtype=np.float64)
-    if hasattr(sink_weights, "__cuda_array_interface__") and not isinstance(
-        sink_weights, np.ndarray
-    ):
-        from ._cuda import get_cuda
-
-        sink_weights = get_cuda().as_cuda_array(sink_weights).copy_to_host()
+    sink_weights = to_host(sink_weights)
     check_array("sink_weights", sink_weights, ndim=1)
     check_float_dtype("sink_weights", sink_weights)
     check_shape("sink_weights", sink_weights, (num_heads,), "one logit per query head")
@@ -203,6 +208,14 @@ def _address_range(x):
         else:
             last += (n - 1) * stride
     return first, last + itemsize
+
+
+def same_elements(a, b):
+    """Whether ``a`` and ``b`` are NumPy arrays over exactly the same elements (address,
+    shape and strides), as ``q`` and ``out=q`` are."""
+    return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.shape == b.shape and a.strides == b.strides)
 
 
 def check_no_overlap(out, inputs):

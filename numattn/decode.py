@@ -483,7 +483,8 @@ def _decode_cuda(q, args, num_partitions, out, return_lse):
         tile = min(block_k, CUDA_MAX_TILE)
         group = num_heads // layout.num_kv_heads
         per_head = (tile + threads + 1) * dtype.itemsize
-        heads_per_pass = max(1, min(group, CUDA_SHARED_BYTES // per_head))
+        # at most one head per thread: the kernel's per-head steps run on threads 0 .. gn-1
+        heads_per_pass = max(1, min(group, threads, CUDA_SHARED_BYTES // per_head))
         parts = _partition_count(num_partitions, args.max_keys, batch * layout.num_kv_heads,
                                  block_k, _multiprocessors(cuda))
         # Few transfers and allocations per call: the small host arrays travel packed by

@@ -54,6 +54,7 @@ from ._validate import (
     check_sink_weights,
     host_int_array,
     row_counts,
+    same_elements,
     shape_of,
 )
 from .config import resolve_config
@@ -115,7 +116,7 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     out : ndarray, optional
         C-contiguous array of ``q``'s shape and dtype, written in place and returned.  It
         may be ``q`` itself, but must not share memory with ``k``, ``v``, the mask's
-        tensor or ``sink_weights`` (``ValueError``).
+        tensor or ``sink_weights``, nor overlap ``q`` otherwise (``ValueError``).
     return_lse : bool, default False
         Also return the natural-log log-sum-exp of every row, ``[B, S, H]`` or ``[T, H]``.
     config : MHAConfig, optional
@@ -219,9 +220,13 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     check_out(out, shape_of(q), dtype)
     if out is not None and not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
-    # out may be q (each tile of queries is read before its outputs are written)
-    check_no_overlap(out, {"k": layout.k_blocks, "v": layout.v_blocks, "mask": additive4,
-                           "sink_weights": sinks})
+    # out may be q itself (each tile of queries is read before its outputs are written),
+    # not a view that overlaps q elsewhere (a tile's outputs would land on queries not read)
+    inputs = {"k": layout.k_blocks, "v": layout.v_blocks, "mask": additive4,
+              "sink_weights": sinks}
+    if not same_elements(out, q):
+        inputs["q (other than as q itself)"] = q
+    check_no_overlap(out, inputs)
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
 

@@ -400,6 +400,17 @@ def test_out_may_be_q_but_not_what_the_kernel_reads_while_writing(rng):
             flash_attention_kv_cache(q, k, v, kwargs.pop("mask", CausalMask()), out=out,
                                      config=config, **kwargs)
         assert np.array_equal(out, before)
+    # q itself, but not a view of q's memory shifted by a row (the outputs of a tile would
+    # land on queries not yet read: errors of 2.7 before this was checked)
+    memory = randn(rng, (q.size + d,), dtype)
+    shifted_q, shifted_out = memory[:q.size].reshape(q.shape), memory[d:].reshape(q.shape)
+    before = memory.copy()
+    with pytest.raises(ValueError, match=r"out must not overlap q \(other than as q itself"):
+        flash_attention_kv_cache(shifted_q, k, v, CausalMask(), out=shifted_out, config=config)
+    assert np.array_equal(memory, before)
+    same_q = q.copy()
+    got = flash_attention_kv_cache(same_q, k, v, CausalMask(), out=same_q[...], config=config)
+    assert_close(got, expected, dtype)
 
 
 def test_configs_agree(rng):
