@@ -56,6 +56,14 @@ def _merge_states_kernel(part_out, part_lse, out, lse):
         merge_row(part_out, part_lse, r, out, lse)
 
 
+def _parts(name, parts):
+    """``parts`` (a sequence of arrays, or one array whose first axis counts them) as a
+    list."""
+    if isinstance(parts, (str, bytes)) or not hasattr(parts, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of arrays, got {type(parts).__name__}")
+    return list(parts)
+
+
 def merge_states(outs, lses):
     """Combine attention results over disjoint key sets into the result over their union.
 
@@ -101,12 +109,8 @@ def merge_states(outs, lses):
     >>> bool(np.allclose(out, full[0]) and np.allclose(lse, full[1]))
     True
     """
-    if isinstance(outs, np.ndarray):
-        outs = list(outs)
-    if isinstance(lses, np.ndarray):
-        lses = list(lses)
-    outs = list(outs)
-    lses = list(lses)
+    outs = _parts("outs", outs)
+    lses = _parts("lses", lses)
     if not outs:
         raise ValueError("merge_states needs at least one part, got none")
     if len(outs) != len(lses):

@@ -238,8 +238,9 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
         Longest query sequence (rows of a padded additive mask).
     k, v : ndarray [T_kv, Hkv, D] or cache
         Ragged new K/V rows or caches (``num_keys = cache_len + kv_len``).
-    kv_input_row_offsets : int array [B + 1]
-        Ragged split of the new K/V rows.
+    kv_input_row_offsets : int array [B + 1] or None
+        Ragged split of the new K/V rows; ``None`` means ``kv_len = q_len`` (for dense
+        ``[B, N, Hkv, D]`` arrays: all ``N`` rows).
     mask : Mask, ndarray or None
         A mask object (``q_idx = r``), an additive tensor, or None (no mask).
     scale : float, optional
@@ -263,8 +264,13 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
     mask = as_mask(mask if mask is not None else NullMask())
     q = np.asarray(q, dtype=np.float64)
     qo = np.asarray(q_input_row_offsets, dtype=np.int64)
-    ko = np.asarray(kv_input_row_offsets, dtype=np.int64)
     batch = len(qo) - 1
+    if kv_input_row_offsets is not None:
+        ko = np.asarray(kv_input_row_offsets, dtype=np.int64)
+    elif isinstance(k, np.ndarray) and k.ndim == 4:  # dense: all N rows
+        ko = np.arange(batch + 1, dtype=np.int64) * k.shape[1]
+    else:
+        ko = qo
     sc = _scale(scale, q.shape[-1])
     cl = _cache_lengths(k, batch)
     out = np.zeros(q.shape)

@@ -89,3 +89,7 @@ def test_merge_states_errors():
         numattn.merge_states([o, 2], [x, x])
     with pytest.raises(TypeError, match=r"lses\[0\] must be an array"):
         numattn.merge_states([o], [[0.0, 0.0]])
+    with pytest.raises(TypeError, match="outs must be a sequence of arrays, got NoneType"):
+        numattn.merge_states(None, [x])
+    with pytest.raises(TypeError, match="lses must be a sequence of arrays, got float"):
+        numattn.merge_states([o], 1.0)

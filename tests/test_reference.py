@@ -115,6 +115,22 @@ def test_cross_positions_are_local_rows(rng):
     assert np.allclose(out[0], kv[0])
 
 
+def test_cross_without_kv_offsets_reads_all_dense_rows_or_q_len_ragged_rows(rng):
+    """kv_input_row_offsets=None: every row of a dense [B, N, Hkv, D] input (it raised a
+    TypeError), or kv_len = q_len for ragged rows, as numattn.cross_attention reads them."""
+    q = rng.standard_normal((5, 2, 4))
+    q_offsets = np.array([0, 2, 5])
+    dense = rng.standard_normal((2, 3, 1, 4))
+    out = reference.cross_attention(q, q_offsets, 3, dense, dense, None)
+    ragged = dense.reshape(6, 1, 4)
+    assert np.allclose(out, reference.cross_attention(q, q_offsets, 3, ragged, ragged,
+                                                      [0, 3, 6]))
+    assert np.allclose(out, numattn.cross_attention(q, q_offsets, 3, dense, dense, None))
+    rows = rng.standard_normal((5, 1, 4))
+    assert np.allclose(reference.cross_attention(q, q_offsets, 3, rows, rows, None),
+                       reference.cross_attention(q, q_offsets, 3, rows, rows, q_offsets))
+
+
 @pytest.mark.parametrize("sentinel", [-5, 99])
 def test_sequence_without_keys_ignores_its_table_entry(rng, sentinel):
     """A sequence that reads no row may hold any value in its continuous-batching table
