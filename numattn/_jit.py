@@ -16,7 +16,8 @@ NUMATTN_CACHE
     ``0`` switches off Numba's on-disk cache of compiled CPU kernels (on by default so that
     first calls in a new process are short).  ``NUMBA_CACHE_DIR`` chooses where it lives.
     Where Numba finds no writable place for it (a read-only install and home directory),
-    the kernels compile uncached, with one ``RuntimeWarning`` saying so.
+    the kernels compile uncached, with one ``RuntimeWarning`` saying so.  A cached kernel
+    is used only by the sources it was compiled from (:func:`source_digest`).
 GOMP_SPINCOUNT
     Unless the user set it (or ``OMP_WAIT_POLICY``), ``import numattn`` sets it to ``1000``,
     so that it is in place when Numba's OpenMP thread pool starts.  By default that pool's
@@ -33,6 +34,7 @@ GOMP_SPINCOUNT
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import threading
 import types
@@ -129,6 +131,7 @@ def _cpu_jit(func, parallel):
         # argument types only, not by ``parallel``: without a name of its own, a serial
         # binding cached first would be loaded for the parallel one in later processes.
         clone.__qualname__ += "_serial"
+    clone.__qualname__ += "_" + source_digest()
     try:
         return numba.njit(parallel=parallel, **CPU_OPTS)(clone)
     except RuntimeError as exc:  # Numba found no writable directory for the cache
@@ -136,6 +139,27 @@ def _cpu_jit(func, parallel):
             raise
         _warn_uncached(exc)
         return numba.njit(parallel=parallel, **{**CPU_OPTS, "cache": False})(clone)
+
+
+@functools.cache
+def source_digest():
+    """A digest of the sources of every module of the package, part of the name under
+    which Numba caches each CPU kernel on disk.
+
+    Numba checks a cached kernel against the file that defines it, not against the files of
+    the bodies and intrinsics it calls (and compiles into it): after an edit of
+    :mod:`numattn._simd` or :mod:`numattn.masks` alone, a process would load the kernels of
+    :mod:`numattn.decode` as they were before.  With the digest in their names, any change
+    to the package's sources makes every kernel compile anew (read once per process, at the
+    first kernel binding: ~1 ms).
+    """
+    digest = hashlib.sha1()
+    package = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(package)):
+        if name.endswith(".py"):
+            with open(os.path.join(package, name), "rb") as source:
+                digest.update(name.encode() + b"\0" + source.read() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 _UNCACHED_WARNED = []

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -202,6 +204,30 @@ def test_serial_and_parallel_bindings_keep_apart_in_the_disk_cache(tmp_path):
     assert run("serial") == 0  # compiled and written to the cache
     assert run("parallel") == 0  # not the serial entry
     assert run("parallel") == 1 and run("serial") == 1  # each finds its own
+
+
+def test_a_changed_callee_source_makes_cached_kernels_compile_again(tmp_path):
+    """Numba checks a cached kernel against its own file only: after an edit of a module
+    whose bodies it calls (here ``_softmax``, of the reduction's merge weights), a later
+    process must compile the kernel again, not load it as it was."""
+    package = tmp_path / "pkg" / "numattn"
+    shutil.copytree(Path(numattn.__file__).parent, package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "NUMATTN_CACHE"}
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "cache")
+    env["PYTHONPATH"] = str(package.parent)
+
+    def cache_hits():
+        result = subprocess.run([sys.executable, "-c", _REDUCE_ONCE, "serial"],
+                                capture_output=True, text=True, env=env, check=True,
+                                cwd=tmp_path)  # not this checkout's numattn
+        return int(result.stdout.split()[-1])
+
+    assert cache_hits() == 0 and cache_hits() == 1  # compiled, then loaded
+    with open(package / "_softmax.py", "a") as source:
+        source.write("\n# an edit\n")
+    assert cache_hits() == 0  # compiled again
+    assert cache_hits() == 1
 
 
 _DIGEST_OF_RESULTS = """
