@@ -19,6 +19,10 @@ from numattn.decode import PREFETCH_KEYS, _block_rows, _tile_rows
 from .utils import assert_close, randn
 
 WIDTHS = [16, 32, 64]
+#: (vector bytes, bytes ahead the blocks ask for rows' lines): every width with the requests
+#: (whatever this machine's default), and this machine's widest without them
+BLOCK_BUILDS = [(16, _simd.STREAM_PREFETCH_BYTES), (32, _simd.STREAM_PREFETCH_BYTES),
+                (64, _simd.STREAM_PREFETCH_BYTES), (64, 0)]
 DTYPES = [np.float32, np.float64]
 HEAD_DIMS = [1, 5, 16, 37, 128]
 GROUPS = [1, 2, 3, 4, 5, 6, 7, 8]  # query heads per KV head in blocks of 4, 2, 1 (7: 4+2+1)
@@ -26,9 +30,10 @@ NUM_KEYS = [1, 3, 4, 7, 12]  # the last block cut short, or not
 
 
 @functools.cache
-def kernels(vector_bytes):
-    """Jitted loops over every block of a tile, calling the intrinsics of one width."""
-    built = _simd.build_intrinsics(vector_bytes)
+def kernels(vector_bytes, prefetch_bytes=_simd.STREAM_PREFETCH_BYTES):
+    """Jitted loops over every block of a tile, calling the intrinsics of one width (whose
+    blocks ask for lines ``prefetch_bytes`` ahead of their loads)."""
+    built = _simd.build_intrinsics(vector_bytes, prefetch_bytes)
     scores_4, scores_2, scores_1 = (built[f"scores_block_{r}"] for r in (4, 2, 1))
     values_4, values_2, values_1 = (built[f"values_block_{r}"] for r in (4, 2, 1))
     tile_4, tile_2, tile_1 = (built[f"values_tile_{r}"] for r in (4, 2, 1))
@@ -124,10 +129,10 @@ def expected_scores(qs, k_blocks, pages, slots, group):
     return np.einsum("hd,nhd->hn", qs.astype(np.float64), keys[:, heads // group])
 
 
-@pytest.mark.parametrize("vector_bytes", WIDTHS)
+@pytest.mark.parametrize("vector_bytes, prefetch_bytes", BLOCK_BUILDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_scores_blocks(vector_bytes, dtype, rng):
-    all_scores, _, _ = kernels(vector_bytes)
+def test_scores_blocks(vector_bytes, prefetch_bytes, dtype, rng):
+    all_scores, _, _ = kernels(vector_bytes, prefetch_bytes)
     for group, n, (qs, k_blocks, _, pages, slots), what in cases(rng, dtype, vector_bytes,
                                                                  NUM_KEYS):
         # a strided view: positions past n, if written, would land in the margin
@@ -139,10 +144,10 @@ def test_scores_blocks(vector_bytes, dtype, rng):
         assert np.isnan(buffer[:, n:]).all(), what
 
 
-@pytest.mark.parametrize("vector_bytes", WIDTHS)
+@pytest.mark.parametrize("vector_bytes, prefetch_bytes", BLOCK_BUILDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_values_blocks(vector_bytes, dtype, rng):
-    _, all_values, _ = kernels(vector_bytes)
+def test_values_blocks(vector_bytes, prefetch_bytes, dtype, rng):
+    _, all_values, _ = kernels(vector_bytes, prefetch_bytes)
     for group, n, (qs, _, v_blocks, pages, slots), what in cases(rng, dtype, vector_bytes,
                                                                  (4, 8, 12)):
         weights = randn(rng, (qs.shape[0], n), dtype)
@@ -344,3 +349,27 @@ def test_block_order_is_a_permutation_in_quarters_or_in_order(num_keys, next_key
     step = max(next_keys // 4, 1)
     for r in range(ahead):
         assert (pages[num_keys + r], slots[num_keys + r]) == row_of(num_keys + r * step)
+
+
+@pytest.mark.parametrize("cpu_name, machine, expected", [
+    ("rocketlake", "x86_64", _simd.STREAM_PREFETCH_BYTES),
+    ("sapphirerapids", "x86_64", _simd.STREAM_PREFETCH_BYTES),
+    ("znver4", "x86_64", 0),
+    ("znver2", "AMD64", 0),
+    ("neoverse-v1", "aarch64", 0),
+])
+def test_stream_prefetch_follows_the_target_cpu(cpu_name, machine, expected, monkeypatch):
+    """The block functions ask for rows' lines ahead on the x86 cores where that was
+    measured faster, not on AMD's (slower there) nor on other architectures; the CPU
+    named by ``NUMBA_CPU_NAME`` counts, as it does for Numba."""
+    import platform
+
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_NAME", cpu_name)
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    _simd.stream_prefetch_bytes.cache_clear()
+    try:
+        assert _simd.stream_prefetch_bytes() == expected
+    finally:
+        _simd.stream_prefetch_bytes.cache_clear()
