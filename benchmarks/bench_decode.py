@@ -21,7 +21,8 @@ less than when the cores share a link), the kernel's arithmetic, not the memory,
 its pace.  On the 2-core AMD machine of the decode issue's first sessions one core read
 28-31 GB/s alone, and decode reached 59-65% of it (B=8 N=4096), against 79-87% of the
 two-core rate; on the 2-core Intel machine of 2026-12-01 one core reads 13-19 GB/s, two
-18-36, and decode reaches 64-75% of one and 57-72% of two (see docs/performance.rst).
+18-36, and decode reaches 85-88% of one and 82-85% of two since its blocks ask for each
+stream's lines ahead (64-75% and 57-72% before; see docs/performance.rst).
 
 The probe is :func:`numattn.bench.read_all_fn`: eight sequential streams per thread, which
 read about twice what one stream (NumPy's ``sum``) reads on that Intel machine.  torch is
