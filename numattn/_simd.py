@@ -14,9 +14,9 @@ each with overhead that these versions do not have:
   accumulator rows of ``rows`` query heads, each vector of V loaded once for all of them
   (sixteen multiply-adds per four loads of V), and no run-time test of whether the
   accumulators overlap the cache (the vectoriser's version tests that on every call).
-* Both ask for the line 1 KiB past each vector they load of a K or V row (on Intel cores:
-  :func:`stream_prefetch_bytes`), so that the memory keeps reading each stream of rows
-  while the core does the multiply-adds (decode 1.12-1.20x faster from memory there).
+* Both ask for the line :data:`STREAM_PREFETCH_BYTES` past each vector they load of a K or
+  V row (on Intel cores: :func:`stream_prefetch_bytes`), so that the memory keeps reading
+  each stream of rows while the core does the multiply-adds.
 * :func:`values_tile_4` (and ``_2``, ``_1``): the same sum over a whole tile of keys for
   rows of at most :data:`TILE_VECTORS` vectors (D <= 64 in float32 with AVX-512): the
   accumulators stay in registers from the first key to the last, where the block version
@@ -93,9 +93,9 @@ PREFETCH_PAGE_BYTES = 4096
 #: and at a row's end in the next row of the stream.  On the 2-core Intel machine of the
 #: decode issue the hardware prefetcher alone left the core waiting on memory between the
 #: multiply-adds: decode read 73-76% of the read bandwidth, with these requests 85-90%
-#: (1.12-1.20x faster from memory: B=8 or 1, one or two threads, float32 and float64, rows
-#: of 0.5-8 KiB; 512 bytes ahead 1.11-1.15x, 2 KiB 1.12-1.18x, 4 KiB 1.13-1.18x, all in
-#: the same rounds).
+#: (1.12-1.23x faster from memory: B=8 or 1, one or two threads, float32 and float64, rows
+#: of 0.5-8 KiB, AVX-512 and AVX2 code; 512 bytes ahead 1.11-1.15x, 2 KiB 1.12-1.18x, 4 KiB
+#: 1.13-1.18x, all in the same rounds; see docs/performance.rst).
 STREAM_PREFETCH_BYTES = 1024
 #: LLVM's names of AMD's x86 cores start so.  On the AMD Zen 4 of the decode issue's first
 #: sessions, software prefetches of every line of the rows ahead made decode 17-61% slower
