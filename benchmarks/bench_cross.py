@@ -34,9 +34,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 import numattn
-from numattn.bench import at_least, interleaved_times, torch_or_none
 from numattn.cross import cross_attention
 from numattn.flash import flash_attention_kv_cache
+from numattn.tools.bench import interleaved_times, torch_or_none
+from numattn.tools.cli import at_least
 
 BATCH, Q_LEN, NUM_KEYS, HEADS, KV_HEADS, HEAD_DIM = 8, 128, 1500, 16, 4, 64
 PAGE_SIZE = 128

@@ -24,9 +24,9 @@ two-core rate; on the 2-core Intel machine of 2026-12-01 one core reads 13-19 GB
 18-36, and decode reaches 85-88% of one and 82-85% of two since its blocks ask for each
 stream's lines ahead (64-75% and 57-72% before; see docs/performance.rst).
 
-The probe is :func:`numattn.bench.read_all_fn`: eight sequential streams per thread, which
+The probe is :func:`numattn.tools.bench.read_all_fn`: eight sequential streams per thread, which
 read about twice what one stream (NumPy's ``sum``) reads on that Intel machine.  torch is
-imported before Numba starts its threads (see :func:`numattn.bench.torch_or_none`).
+imported before Numba starts its threads (see :func:`numattn.tools.bench.torch_or_none`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 import numattn
-from numattn.bench import at_least, interleaved_times, read_all_fn, torch_or_none
 from numattn.decode import decode_attention
+from numattn.tools.bench import interleaved_times, read_all_fn, torch_or_none
+from numattn.tools.cli import at_least
 
 CASES = [
     # (label, B, H, Hkv, N, D)

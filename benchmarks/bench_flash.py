@@ -35,8 +35,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 from numattn import CausalMask, PagedKVCache, SlidingWindowCausalMask
-from numattn.bench import at_least, gemm_gflops, interleaved_times, torch_or_none
 from numattn.flash import flash_attention_kv_cache
+from numattn.tools.bench import gemm_gflops, interleaved_times, torch_or_none
+from numattn.tools.cli import at_least
 
 
 def alternate(fns, repeat):

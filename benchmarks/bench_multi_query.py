@@ -3,7 +3,7 @@
 Run ``python benchmarks/bench_multi_query.py`` (``--repeat N``).  Each case is causal
 ``flash_attention_kv_cache`` with S new query rows per sequence after ``N - S`` cached tokens
 (float32, H=32, Hkv=8, D=128, paged cache with pages of 128, shuffled).  Problems of at most
-``numattn.flash.MULTI_QUERY_MAX_LEN`` rows per sequence run on decode's CPU kernel; the
+``numattn.kernels.cpu.flash.MULTI_QUERY_MAX_LEN`` rows per sequence run on decode's CPU kernel; the
 script times that path and the flash kernel's tile GEMMs (the module constants switched for
 the comparison) and PyTorch's CPU ``scaled_dot_product_attention`` on the same work (dense
 K/V, ``enable_gqa=True``, a boolean causal mask), all taking turns in every round, and
@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import numattn
 from numattn import flash
-from numattn.bench import at_least, interleaved_times, torch_or_none
 from numattn.flash import flash_attention_kv_cache
+from numattn.tools.bench import interleaved_times, torch_or_none
+from numattn.tools.cli import at_least
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 128
 CASES = [(16, 4, 512), (8, 8, 2048), (4, 16, 4096), (1, 16, 32768), (4, 24, 4096)]

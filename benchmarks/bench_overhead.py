@@ -24,10 +24,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
 import numattn
-from numattn.bench import at_least, torch_or_none
 from numattn.cross import cross_attention
 from numattn.decode import decode_attention
 from numattn.flash import flash_attention_kv_cache
+from numattn.tools.bench import torch_or_none
+from numattn.tools.cli import at_least
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 

@@ -39,10 +39,10 @@ from numattn import (
     PagedKVCache,
     SlidingWindowCausalMask,
 )
-from numattn._cuda import require_cuda
-from numattn._jit import cuda_kernel
-from numattn.bench import at_least
+from numattn.core.device import require_cuda
+from numattn.core.jit import cuda_kernel
 from numattn.decode import decode_attention
+from numattn.tools.cli import at_least
 
 TOLERANCE = {np.dtype(np.float32): 2e-4, np.dtype(np.float64): 1e-10}
 
@@ -201,7 +201,8 @@ def benchmark(cuda, tiny, repeat):
 
 
 def _auto_partitions(cuda, num_keys, blocks, config):
-    from numattn.decode import _multiprocessors, _partition_count
+    from numattn.kernels.cuda.split_k import _multiprocessors
+    from numattn.kernels.shared.partitions import partition_count as _partition_count
 
     return _partition_count(config.num_partitions, num_keys, blocks,
                             config.block_k, _multiprocessors(cuda))

@@ -9,7 +9,8 @@ Importing numattn compiles nothing and does not import ``numba.cuda``.
 """
 
 from . import reference
-from .config import MHAConfig
+from .core.config import MHAConfig
+from .core.device import CudaUnavailableError
 from .cross import cross_attention
 from .decode import decode_attention
 from .flash import flash_attention_kv_cache
@@ -35,6 +36,7 @@ __all__ = [
     "ChunkedCausalMask",
     "ChunkedMask",
     "ContinuousBatchingKVCache",
+    "CudaUnavailableError",
     "MHAConfig",
     "Mask",
     "MaterializedMask",

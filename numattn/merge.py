@@ -2,58 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from ._jit import body, cpu_jit, prange
-from ._softmax import merge_weight
-from ._validate import check_array, check_float_dtype, dtype_of, shape_of
+from .core.validate import check_array, check_float_dtype, dtype_of, shape_of
 
 __all__ = ["merge_states"]
-
-#: Merges of up to this many partial-output elements run on the calling thread: waking the
-#: worker threads costs 30-100 us on a virtual machine (a few us elsewhere), more than it
-#: saves on such work.
-SERIAL_ELEMENTS = 2**18
-
-
-@body
-def merge_row(part_out, part_lse, r, out, lse):
-    """Merge row ``r`` of ``part_out [P, R, D]`` / ``part_lse [P, R]`` into ``out[r]``, ``lse[r]``.
-
-    Parts whose lse is ``-inf`` (no visible key) weigh exactly 0, and their outputs are not
-    read.  Plain body, shared by the CPU and CUDA reductions.
-    """
-    num_parts = part_lse.shape[0]
-    big = -math.inf
-    for p in range(num_parts):
-        x = part_lse[p, r]
-        if x > big or x != x:
-            big = x
-    total = big - big  # 0 of the right type when big is finite
-    if big == -math.inf:
-        for d in range(out.shape[1]):
-            out[r, d] = 0.0
-        lse[r] = big
-        return
-    for p in range(num_parts):
-        total += merge_weight(part_lse[p, r], big)
-    for d in range(out.shape[1]):
-        out[r, d] = 0.0
-    for p in range(num_parts):  # one weight per part, then its whole row
-        if part_lse[p, r] != -math.inf:  # (a weight that underflowed to 0 still counts)
-            w = merge_weight(part_lse[p, r], big)
-            for d in range(out.shape[1]):
-                out[r, d] += w * part_out[p, r, d]
-    for d in range(out.shape[1]):
-        out[r, d] /= total
-    lse[r] = big + math.log(total)
-
-
-def _merge_states_kernel(part_out, part_lse, out, lse):
-    for r in prange(part_lse.shape[1]):
-        merge_row(part_out, part_lse, r, out, lse)
 
 
 def _parts(name, parts):
@@ -62,6 +15,7 @@ def _parts(name, parts):
     if isinstance(parts, (str, bytes)) or not hasattr(parts, "__iter__"):
         raise TypeError(f"{name} must be a sequence of arrays, got {type(parts).__name__}")
     return list(parts)
+
 
 
 def merge_states(outs, lses):
@@ -141,6 +95,7 @@ def merge_states(outs, lses):
     part_lse = np.ascontiguousarray(np.stack([np.asarray(x) for x in lses]).reshape(parts, rows))
     out = np.empty((rows, d), dtype=dtype)
     lse = np.empty(rows, dtype=dtype)
-    parallel = part_out.size > SERIAL_ELEMENTS
-    cpu_jit(_merge_states_kernel, parallel=parallel)(part_out, part_lse, out, lse)
+    from .kernels.cpu.merge import run_merge_cpu  # kernel modules load at the first call
+
+    run_merge_cpu(part_out, part_lse, out, lse)
     return out.reshape(out_shape), lse.reshape(out_shape[:-1])

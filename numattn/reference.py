@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kv_cache import ContinuousBatchingKVCache, PagedKVCache
-from .masks import AndMask, MaterializedMask, NullMask, OrMask, as_mask
+from .core.kv_cache import ContinuousBatchingKVCache, PagedKVCache
+from .core.masks import AndMask, MaterializedMask, NullMask, OrMask, as_mask
 
 __all__ = ["cross_attention", "decode_attention", "flash_attention_kv_cache", "merge_states"]
 

@@ -22,7 +22,7 @@ def both_cpu_paths(request, monkeypatch):
     """Runs a flash or cross test through each CPU path: decode's kernels (which take
     problems of at most ``flash.MULTI_QUERY_MAX_LEN`` query rows per sequence; here every
     problem) and the flash kernel's tile GEMMs (here every problem)."""
-    from numattn import flash
+    from numattn.kernels.cpu import flash
 
     everything = request.param == "decode kernels"
     monkeypatch.setattr(flash, "MULTI_QUERY_MAX_LEN", 2**62 if everything else 0)
@@ -33,7 +33,7 @@ def both_cpu_paths(request, monkeypatch):
 
 
 def cuda_runnable() -> bool:
-    from numattn import _cuda
+    from numattn.core import device as _cuda
 
     return _cuda.is_available()
 
@@ -59,7 +59,7 @@ def _nvvm_available() -> bool:
     if CUDASIM:
         return False
     try:
-        from numattn._cuda import get_cuda
+        from numattn.core.device import get_cuda
 
         get_cuda()  # numba-cuda, not numba's own numba.cuda
         from numba.cuda.cudadrv import nvvm
@@ -83,7 +83,7 @@ def ptx_compiler(monkeypatch):
     from numba.cuda import compile_ptx
     from numba.cuda import dispatcher as cuda_dispatcher
 
-    from numattn._jit import cuda_source
+    from numattn.core.jit import cuda_source
 
     class _FakeDevice:
         compute_capability = (9, 0)

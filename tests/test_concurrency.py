@@ -16,13 +16,14 @@ import threading
 import numpy as np
 
 import numattn
-from numattn import CausalMask, flash, reference
+from numattn import CausalMask, reference
+from numattn.kernels.cpu import flash, split_k
 
 
 def _on_worker_threads(set_value):
     """Sends every call of :func:`_run_concurrently` to the worker threads, through
     ``set_value`` (``setattr`` or ``monkeypatch.setattr``)."""
-    for module, name in ((numattn.decode, "SERIAL_KV_BYTES"), (flash, "SERIAL_MULTIPLY_ADDS"),
+    for module, name in ((split_k, "SERIAL_KV_BYTES"), (flash, "SERIAL_MULTIPLY_ADDS"),
                          (flash, "MULTI_QUERY_MAX_LEN")):
         set_value(module, name, 0)
 
@@ -113,7 +114,8 @@ import threading
 import numba
 import numpy as np
 import numattn
-from numattn import CausalMask, flash, reference
+from numattn import CausalMask, reference
+from numattn.kernels.cpu import flash, split_k
 {inspect.getsource(_on_worker_threads)}
 {inspect.getsource(_run_concurrently)}
 _on_worker_threads(setattr)

@@ -7,9 +7,9 @@ import pytest
 
 import numattn
 from numattn import MHAConfig
-from numattn import _validate as V
-from numattn._cuda import CudaUnavailableError, is_device_array, resolve_device
-from numattn.config import resolve_config
+from numattn.core import validate as V
+from numattn.core.config import resolve_config
+from numattn.core.device import CudaUnavailableError, is_device_array, resolve_device
 
 
 def test_config_defaults_and_ranges():

@@ -7,7 +7,7 @@ import pytest
 
 import numattn
 from numattn import reference
-from numattn._cuda import CudaUnavailableError, is_available
+from numattn.core.device import CudaUnavailableError, is_available
 from numattn.cross import cross_attention
 from numattn.masks import (
     CausalMask,

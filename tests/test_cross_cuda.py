@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import numattn
-from numattn import cross
-from numattn.cross import (
+from numattn.cross import cross_attention
+from numattn.kernels.cuda import flash as cross
+from numattn.kernels.cuda.flash import (
     _cross_attention_cuda_kernel,
     _cuda_tiles,
     _shared_bytes,
-    cross_attention,
 )
 from numattn.masks import CausalMask, NullMask
 

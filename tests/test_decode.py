@@ -310,7 +310,7 @@ def test_additive_mask_must_have_one_query_row(rng):
 def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch):
     """Small calls run the partition kernel and the reduction on the calling thread; the
     results are the same bits as on the worker threads."""
-    from numattn import decode as decode_module
+    from numattn.kernels.cpu import split_k as decode_module
 
     k, v = make_kv(rng, "paged", [100, 0, 64], [1, 1, 1], 2, 32, np.float32, page_size=16)
     q = randn(rng, (3, 8, 32), np.float32)
@@ -332,7 +332,7 @@ def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch):
 def test_automatic_partition_count_follows_the_threads_that_run_it(rng, monkeypatch):
     """num_partitions=None: one partition per sequence for a call on the calling thread
     (more would only add merge work), several on the worker threads; right either way."""
-    from numattn import decode as decode_module
+    from numattn.kernels.cpu import split_k as decode_module
 
     counts = record_argument(monkeypatch, decode_module, "_partial_states_cpu", 11)  # parts
     k, v = make_kv(rng, "paged", [300, 250], [1, 1], 2, 32, np.float32, page_size=16)
@@ -350,7 +350,7 @@ def test_automatic_partition_count_follows_the_threads_that_run_it(rng, monkeypa
 def test_row_prefetch_changes_no_bit(rng, monkeypatch):
     """The CPU kernel prefetches the first lines of rows of at least PREFETCH_MIN_ROW_BYTES
     (a hint): with and without it the results are the same bits, and right."""
-    from numattn import decode as decode_module
+    from numattn.kernels.cpu import split_k as decode_module
 
     k, v = make_kv(rng, "paged", [300, 0, 129], [1, 1, 1], 2, 32, np.float32, page_size=16)
     q = randn(rng, (3, 8, 32), np.float32)
@@ -369,7 +369,7 @@ def test_whole_tile_and_block_sums_agree(dtype, rng, monkeypatch):
     """Short rows sum an all-visible tile's weighted V rows over the whole tile, others
     block by block; both are right, with masked tiles (which always go block by block)
     among them."""
-    from numattn import decode as decode_module
+    from numattn.kernels.cpu import split_k as decode_module
 
     k, v = make_kv(rng, "paged", [300, 1, 129], [1, 1, 1], 2, 16, dtype, page_size=16)
     q = randn(rng, (3, 12, 16), dtype)
@@ -386,7 +386,7 @@ def test_cpu_tiles_of_short_rows_are_longer():
     (at most MAX_TILE_MULTIPLE); partitions stay aligned to block_k."""
     from types import SimpleNamespace
 
-    from numattn.decode import MAX_TILE_MULTIPLE, TILE_BYTES, _cpu_tile_keys
+    from numattn.kernels.cpu.split_k import MAX_TILE_MULTIPLE, TILE_BYTES, _cpu_tile_keys
 
     def tile(kv_heads, head_dim, dtype, block_k=128):
         layout = SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim)
@@ -406,9 +406,9 @@ def test_scratch_starts_on_a_64_byte_boundary(dtype, rng, monkeypatch):
     """The partial outputs of the worker threads' items (allocated by the driver) and the
     kernel's queries and scores start on a cache line (NumPy's large arrays start 16 bytes
     past one, Numba's 32)."""
-    from numattn import decode as decode_module
-    from numattn._jit import cpu_jit
-    from numattn.decode import aligned_empty
+    from numattn.core.jit import cpu_jit
+    from numattn.kernels.cpu import split_k as decode_module
+    from numattn.kernels.cpu.split_k import aligned_empty
 
     like = np.zeros(1, dtype)
     compiled = cpu_jit(aligned_empty)
@@ -437,9 +437,9 @@ def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
     most rows in use and a cache long for the rows, on decode's kernels; others on its own
     kernel.  Both agree with the reference (every flash and cross test also runs through
     both paths)."""
-    from numattn import decode as decode_module
+    from numattn.kernels.cpu import flash as flash_module
 
-    routed = record_argument(monkeypatch, decode_module, "run_multi_query_cpu", 3)  # max_q_len
+    routed = record_argument(monkeypatch, flash_module, "run_multi_query_cpu", 3)  # max_q_len
 
     def run(q_lens, cache_len):
         offsets = np.concatenate([[0], np.cumsum(q_lens)])
@@ -501,8 +501,9 @@ def test_ragged_batch_on_the_worker_threads_is_dealt_by_keys(rng, monkeypatch):
     (sequences of very different lengths, one of a single key): each thread's share is
     within one item of the others', and the results agree with the reference and bitwise
     with one thread and with the calling thread."""
-    from numattn._jit import cpu_jit
-    from numattn.decode import _partition_schedule, partition_bounds
+    from numattn.core.jit import cpu_jit
+    from numattn.kernels.cpu import split_k as decode_module
+    from numattn.kernels.cpu.split_k import _partition_schedule, partition_bounds
 
     lengths = [700, 12, 0, 150, 333, 41]
     k, v = make_kv(rng, "paged", lengths, [1] * 6, 2, 32, np.float32, page_size=16)
@@ -514,14 +515,14 @@ def test_ragged_batch_on_the_worker_threads_is_dealt_by_keys(rng, monkeypatch):
                      for n in num_keys for p in range(3)])
     loads = [cost[order[starts[t]:starts[t + 1]]].sum() for t in range(4)]
     assert max(loads) - min(loads) <= cost.max()
-    monkeypatch.setattr(numattn.decode, "SERIAL_KV_BYTES", 0)  # the worker threads
+    monkeypatch.setattr(decode_module, "SERIAL_KV_BYTES", 0)  # the worker threads
     parallel = decode_attention(q, k, v, CausalMask(), num_partitions=3, config=SMALL)
     assert_close(parallel, numattn.reference.decode_attention(q, k, v, CausalMask()),
                  np.float32)
     single = _on_one_thread(
         lambda: decode_attention(q, k, v, CausalMask(), num_partitions=3, config=SMALL))
     assert np.array_equal(single, parallel)
-    monkeypatch.setattr(numattn.decode, "SERIAL_KV_BYTES", 2**62)  # the calling thread
+    monkeypatch.setattr(decode_module, "SERIAL_KV_BYTES", 2**62)  # the calling thread
     serial = decode_attention(q, k, v, CausalMask(), num_partitions=3, config=SMALL)
     assert np.array_equal(serial, parallel)
 
@@ -616,7 +617,7 @@ def test_errors_write_nothing(rng):
 
 
 def test_cuda_request_without_a_gpu_says_so(rng):
-    from numattn import _cuda
+    from numattn.core import device as _cuda
 
     if _cuda.is_available():
         pytest.skip("CUDA (or its simulator) is available here")

@@ -8,8 +8,8 @@ import pytest
 
 import numattn
 from numattn import CausalMask, MaterializedMask, MHAConfig, SlidingWindowCausalMask
-from numattn import decode as decode_module
 from numattn.decode import decode_attention
+from numattn.kernels.cuda import split_k as decode_module
 
 from .conftest import requires_cuda
 from .utils import CACHE_KINDS, assert_close, make_kv, randn
@@ -168,7 +168,7 @@ def test_gpu_check_script_runs_end_to_end(capsys):
     assert gpu_check.main(["--tiny"]) == 0
     printed = capsys.readouterr().out
     assert "check: all ok" in printed and "of copy bw" in printed
-    from numattn._cuda import require_cuda
+    from numattn.core.device import require_cuda
 
     for num_keys in (4096, 32768):
         parts = gpu_check._auto_partitions(require_cuda(), num_keys, 8 * 8, MHAConfig())

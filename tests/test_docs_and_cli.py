@@ -84,7 +84,7 @@ def test_benchmark_scripts_refuse_a_count_of_zero(script, flag):
 
 
 def test_check_reports_failures(monkeypatch):
-    from numattn import check
+    from numattn.tools import check
 
     monkeypatch.setattr(check, "TOLERANCE", {k: -1.0 for k in check.TOLERANCE})
     rows = check.run_checks(cuda=False)
@@ -116,7 +116,7 @@ def test_cli_bench_refuses_outputs_it_could_not_write_before_running(tmp_path):
 def test_bench_plot_without_matplotlib_is_refused_up_front(tmp_path, monkeypatch):
     import importlib.util
 
-    from numattn import bench
+    from numattn.tools import bench
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -128,7 +128,7 @@ def test_bench_plot_without_matplotlib_is_refused_up_front(tmp_path, monkeypatch
 
 
 def test_interleaved_medians_times_every_callable_in_each_round():
-    from numattn.bench import interleaved_medians
+    from numattn.tools.bench import interleaved_medians
 
     calls = []
     medians = interleaved_medians(
@@ -139,7 +139,7 @@ def test_interleaved_medians_times_every_callable_in_each_round():
 
 
 def test_interleaved_times_rotate_the_order_and_keep_rounds_aligned():
-    from numattn.bench import interleaved_times
+    from numattn.tools.bench import interleaved_times
 
     calls = []
     times = interleaved_times(
@@ -151,7 +151,7 @@ def test_interleaved_times_rotate_the_order_and_keep_rounds_aligned():
 
 
 def test_read_all_fn_reads_the_requested_bytes():
-    from numattn.bench import read_all_fn
+    from numattn.tools.bench import read_all_fn
 
     read_all, nbytes = read_all_fn(megabytes=8, threads=2)
     assert 0.99 * 8 * 2**20 < nbytes <= 8 * 2**20
@@ -165,8 +165,8 @@ def test_read_probe_streams_stay_in_range(num_words, threads):
     # compiled kernel does not check), and the compiled kernel sums the same words
     import numpy as np
 
-    from numattn._jit import cpu_jit
-    from numattn.bench import READ_STREAMS, _read_words, _stream_words
+    from numattn.core.jit import cpu_jit
+    from numattn.tools.bench import READ_STREAMS, _read_words, _stream_words
 
     words = np.ones(num_words, dtype=np.int64)
     expected = threads * READ_STREAMS * _stream_words(num_words, threads)
@@ -195,7 +195,7 @@ def test_cli_bad_arguments_are_usage_errors(args, message):
 
 
 def test_run_demo_rejects_an_empty_batch():
-    from numattn.demo import run_demo
+    from numattn.tools.demo import run_demo
 
     with pytest.raises(ValueError, match="batch >= 1"):
         run_demo(batch=0)

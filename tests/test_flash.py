@@ -477,7 +477,7 @@ def test_bitwise_deterministic_across_thread_counts():
 def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch, mask):
     """Small calls run on the calling thread (waking the workers would cost more than the
     work); the kernel and the split of the work are the same, and so are the results."""
-    from numattn import flash as flash_module
+    from numattn.kernels.cpu import flash as flash_module
 
     dtype = np.float32
     cache_lengths, q_lens = [0, 40, 7], [9, 3, 70]
@@ -649,9 +649,10 @@ def test_validation(case, error, match):
 
 def test_visible_span_matches_mask_visible():
     """The per-row run of visible keys used on partial tiles agrees with the mask program."""
-    from numattn._jit import cpu_jit
-    from numattn.flash import _visible_span
-    from numattn.masks import OP_OR, compile_mask, mask_visible
+    from numattn.core.jit import cpu_jit
+    from numattn.core.masks import OP_OR, compile_mask
+    from numattn.kernels.shared.masks import mask_visible
+    from numattn.kernels.shared.masks import visible_span as _visible_span
 
     span = cpu_jit(_visible_span)
     visible = cpu_jit(mask_visible)

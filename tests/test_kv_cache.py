@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import numattn
-from numattn.kv_cache import kv_page_slot, resolve_kv
+from numattn.core.kv_cache import resolve_kv
+from numattn.kernels.shared.paging import kv_page_slot
 
 from .utils import assert_close, make_cache
 

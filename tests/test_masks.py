@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import numattn
-from numattn import masks as M
-from numattn._jit import cpu_jit
+from numattn.core import masks as M
+from numattn.core.jit import cpu_jit
+from numattn.kernels.shared import masks as KM
 
 from .conftest import requires_cuda
 
@@ -55,7 +56,7 @@ def test_visible_body_matches_dataclass(mask, rng):
     q = rng.integers(-10, 60, 300)
     k = rng.integers(-10, 60, 300)
     expected = mask.visible(q, k)
-    got = [M.mask_visible(program, int(a), int(b)) for a, b in zip(q, k)]
+    got = [KM.mask_visible(program, int(a), int(b)) for a, b in zip(q, k)]
     assert got == expected.tolist()
 
 
@@ -63,7 +64,7 @@ def test_visible_body_matches_dataclass(mask, rng):
 def test_tile_status_is_sound(mask, rng):
     program, _ = M.compile_mask(mask)
     for q0, q1, k0, k1 in _random_tiles(rng, 300):
-        status = M.mask_tile_status(program, q0, q1, k0, k1)
+        status = KM.mask_tile_status(program, q0, q1, k0, k1)
         assert status in _brute_status(mask, q0, q1, k0, k1), (mask, q0, q1, k0, k1, status)
 
 
@@ -80,7 +81,7 @@ def test_leaf_tile_status_is_exact(mask, rng):
     for q0, q1, k0, k1 in _random_tiles(rng, 400):
         vis = mask.visible(np.arange(q0, q1 + 1)[:, None], np.arange(k0, k1 + 1)[None, :])
         expected = M.TILE_NONE if vis.all() else M.TILE_FULL if not vis.any() else M.TILE_PARTIAL
-        assert M.mask_tile_status(program, q0, q1, k0, k1) == expected, (mask, q0, q1, k0, k1)
+        assert KM.mask_tile_status(program, q0, q1, k0, k1) == expected, (mask, q0, q1, k0, k1)
 
 
 def _grid_kernel(program, q0, k0, vis_out, status_out):
@@ -93,8 +94,8 @@ def _grid_kernel(program, q0, k0, vis_out, status_out):
 
 # The kernels above and below call the shared bodies by name; cpu_jit / cuda_kernel rebind
 # these names to the bodies compiled for the same target.
-mask_visible = M.mask_visible
-mask_tile_status = M.mask_tile_status
+mask_visible = KM.mask_visible
+mask_tile_status = KM.mask_tile_status
 
 
 def test_compiled_cpu_bodies_agree(rng):
@@ -107,7 +108,7 @@ def test_compiled_cpu_bodies_agree(rng):
             kernel(program, q0, k0, vis, status)
             expected = mask.visible(np.arange(q0, q1 + 1)[:, None], np.arange(k0, k1 + 1)[None, :])
             assert np.array_equal(vis, expected)
-            assert status[0] == M.mask_tile_status(program, q0, q1, k0, k1)
+            assert status[0] == KM.mask_tile_status(program, q0, q1, k0, k1)
 
 
 def _grid_cuda_kernel(program, q0, k0, vis_out, status_out):
@@ -121,7 +122,7 @@ def _grid_cuda_kernel(program, q0, k0, vis_out, status_out):
 
 @requires_cuda
 def test_cuda_bodies_agree(rng):
-    from numattn._jit import cuda_kernel
+    from numattn.core.jit import cuda_kernel
 
     kernel = cuda_kernel(_grid_cuda_kernel)
     for mask in [M.CausalMask(), M.SlidingWindowCausalMask(3), COMPOSED[2]]:
@@ -131,7 +132,7 @@ def test_cuda_bodies_agree(rng):
         kernel[(1, 1), (8, 8)](program, 3, 1, vis, status)
         expected = mask.visible(np.arange(3, 9)[:, None], np.arange(1, 8)[None, :])
         assert np.array_equal(vis.astype(bool), expected)
-        assert status[0] == M.mask_tile_status(program, 3, 8, 1, 7)
+        assert status[0] == KM.mask_tile_status(program, 3, 8, 1, 7)
 
 
 def test_mask_bodies_compile_to_ptx(ptx_compiler):

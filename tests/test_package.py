@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import numattn
-from numattn import _jit
-from numattn._softmax import exp_diff, finish_row, max_nan
+from numattn.core import jit as _jit
+from numattn.kernels.shared.softmax import exp_diff, finish_row, max_nan
 
 from .conftest import CUDASIM
 
@@ -141,7 +141,7 @@ def _trivial_cuda_kernel(x, y):
 
 @pytest.mark.skipif(CUDASIM, reason="checks the error raised where there is no GPU")
 def test_cuda_request_without_gpu_is_a_clear_error():
-    from numattn._cuda import CudaUnavailableError, get_cuda, require_cuda
+    from numattn.core.device import CudaUnavailableError, get_cuda, require_cuda
 
     try:
         if get_cuda().is_available():
@@ -157,7 +157,7 @@ def test_cuda_needs_numba_cuda(monkeypatch):
     install (Numba's own deprecated ``numba.cuda`` cannot compile the kernels)."""
     import importlib.util
 
-    from numattn import _cuda
+    from numattn.core import device as _cuda
 
     find_spec = importlib.util.find_spec
 
@@ -180,8 +180,8 @@ def test_cuda_needs_numba_cuda(monkeypatch):
 _REDUCE_ONCE = """
 import sys
 import numpy as np
-from numattn._jit import cpu_jit
-from numattn.decode import _decode_reduce_cpu
+from numattn.core.jit import cpu_jit
+from numattn.kernels.cpu.split_k import _decode_reduce_cpu
 kernel = cpu_jit(_decode_reduce_cpu, parallel=sys.argv[1] == "parallel")
 m = np.zeros((1, 2, 3), np.float32)
 kernel(m, np.ones_like(m), np.ones((1, 2, 3, 4), np.float32), np.zeros(3, np.float32), False,

@@ -1,12 +1,12 @@
-"""Work items dealt to the CPU threads by cost (``numattn._schedule``)."""
+"""Work items dealt to the CPU threads by cost (``numattn.kernels.cpu.schedule``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from numattn._jit import cpu_jit
-from numattn._schedule import zigzag_schedule
+from numattn.core.jit import cpu_jit
+from numattn.kernels.cpu.schedule import zigzag_schedule
 
 
 @pytest.mark.parametrize("num_items", [0, 1, 5, 64, 257])

@@ -1,5 +1,5 @@
-"""The explicit-vector CPU micro-kernels of decode (:mod:`numattn._simd`) against NumPy in
-float64, built for every vector width (so this machine also checks the AVX and SSE/NEON
+"""The explicit-vector CPU micro-kernels of decode (:mod:`numattn.kernels.cpu.simd`) against
+NumPy in float64, built for every vector width (so this machine also checks the AVX and SSE/NEON
 code), in both dtypes, for blocks of 1, 2 and 4 query heads, head dimensions with and
 without a tail, and blocks cut short by the end of a tile (and the whole-tile sums of
 short rows); the row max, exponentials and sum of the online softmax; and decode's block
@@ -13,8 +13,8 @@ import numba
 import numpy as np
 import pytest
 
-from numattn import _simd
-from numattn.decode import PREFETCH_KEYS, _block_rows, _tile_rows
+from numattn.kernels.cpu import simd as _simd
+from numattn.kernels.cpu.split_k import PREFETCH_KEYS, _block_rows, _tile_rows
 
 from .utils import assert_close, randn
 
@@ -259,7 +259,7 @@ def test_row_max(dtype, rng):
 def test_exp_row(dtype, rng):
     """``e^(s - m)`` in place within 2 ulp of float64 ``exp`` of the rounded ``s - m``
     (exactly 0 below the dtype's range, NaN where ``s`` is NaN), elements past ``n``
-    untouched, and the sum of the new row in :func:`numattn._simd.lane_sum`'s order,
+    untouched, and the sum of the new row in :func:`numattn.kernels.cpu.simd.lane_sum`'s order,
     bitwise; compiled for every vector width and uncompiled alike."""
     ulp = np.finfo(dtype).eps
     smallest = np.finfo(dtype).tiny

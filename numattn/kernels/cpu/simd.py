@@ -32,7 +32,7 @@ whatever the machine:
   its sum in an order fixed here, not by the compiler (:func:`lane_sum`): sixteen running
   sums, lane ``u`` taking elements ``u``, ``u + 16``, ..., then halves added to halves.
   Numba's loop vectoriser sums a row only with the ``reassoc`` fast-math flag, which
-  numattn does not use (see :data:`numattn._jit.FASTMATH`); the sum is then the same on
+  numattn does not use (see :data:`numattn.core.jit.FASTMATH`); the sum is then the same on
   every machine too.
 
 Written as plain loops, LLVM vectorised both passes with 256-bit vectors on an AVX-512
@@ -44,7 +44,7 @@ Each function is plain NumPy here (its definition, and what runs uncompiled); :f
 gives it its compiled form (LLVM vectors as wide as the target's registers: 64 bytes with
 AVX-512, 32 with AVX, else 16; :func:`row_max` and :func:`exp_row` in sixteen lanes), and
 :func:`prefetch_row` and :func:`prefetch_head` their ``llvm.prefetch``.
-:func:`numattn._jit.cpu_jit` calls :func:`register` before it binds any body (Numba is
+:func:`numattn.core.jit.cpu_jit` calls :func:`register` before it binds any body (Numba is
 imported lazily).  Vector loads need the last axis of every array contiguous, as the kernels
 pass them.
 """
@@ -55,6 +55,8 @@ import functools
 import threading
 
 import numpy as np
+
+from ...core.jit import before_cpu_compile
 
 __all__ = [
     "exp_row",
@@ -89,7 +91,7 @@ PREFETCH_PAGE_BYTES = 4096
 #: On Intel cores, :func:`scores_block_4` and :func:`values_block_4` (and ``_2``, ``_1``)
 #: ask for the line this many bytes past each vector they load of a K or V row, with every
 #: load (:func:`stream_prefetch_bytes`): each of a tile's streams of adjacent rows (see
-#: :func:`numattn.decode._tile_rows`) is then requested 1 KiB ahead of where it is read,
+#: :func:`.split_k._tile_rows`) is then requested 1 KiB ahead of where it is read,
 #: and at a row's end in the next row of the stream.  On the 2-core Intel machine of the
 #: decode issue the hardware prefetcher alone left the core waiting on memory between the
 #: multiply-adds: decode read 73-76% of the read bandwidth, with these requests 85-90%
@@ -898,3 +900,6 @@ def build_intrinsics(vector_bytes, prefetch_bytes=None):
         built[f"values_block_{rows}"] = make_values(rows)
         built[f"values_tile_{rows}"] = make_values_tile(rows)
     return built
+
+
+before_cpu_compile(register)

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ._cuda import is_device_array
+from .device import is_device_array
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 INT64_MAX = int(np.iinfo(np.int64).max)
@@ -81,7 +81,7 @@ def to_host(x):
         return x
     if hasattr(x, "copy_to_host"):
         return x.copy_to_host()
-    from ._cuda import get_cuda
+    from .device import get_cuda
 
     return get_cuda().as_cuda_array(x).copy_to_host()
 

@@ -14,7 +14,6 @@ The machine is shared and noisy: compare ratios and medians, not single runs.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.util
 import itertools
@@ -26,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ._jit import body, cpu_jit, prange
+from ..core.jit import body, cpu_jit, prange
 
 __all__ = [
     "BenchResult",
@@ -54,22 +53,6 @@ def median_time(fn, *, repeat=5, warmup=1):
         fn()
         times.append(time.perf_counter() - start)
     return float(np.median(times))
-
-
-def at_least(minimum):
-    """An argparse type: an integer >= ``minimum`` (the command line's and the benchmark
-    scripts' counts of runs, threads and sizes)."""
-
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def interleaved_times(fns, *, repeat=5, warmup=1, rotate=False):
@@ -240,7 +223,7 @@ def _causal_pairs(q_len, num_keys, window=None):
 
 def _paged_copy(rng, rows, page_size, dtype=np.float32):
     """K and V paged caches (pages shuffled) holding ``rows[b]`` = [n_b, Hkv, D] each."""
-    from .kv_cache import PagedKVCache
+    from ..kv_cache import PagedKVCache
 
     hkv, d = rows[0][0].shape[1:]
     pages_per_seq = [-(-r[0].shape[0] // page_size) for r in rows]

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import reference
-from .kv_cache import PagedKVCache, store_kv
-from .masks import CausalMask
+from .. import reference
+from ..kv_cache import PagedKVCache, store_kv
+from ..masks import CausalMask
 
 __all__ = ["DemoModel", "DemoResult", "run_demo"]
 
@@ -137,12 +137,12 @@ def run_demo(*, batch=4, new_tokens=32, seed=0, model=None, check=True, progress
 
     Examples
     --------
-    >>> from numattn.demo import run_demo
+    >>> from numattn.tools.demo import run_demo
     >>> result = run_demo(batch=2, new_tokens=2)
     >>> result.generated.shape, result.max_error < 1e-3
     ((2, 2), True)
     """
-    from . import decode_attention, flash_attention_kv_cache
+    from .. import decode_attention, flash_attention_kv_cache
 
     if batch < 1 or new_tokens < 0:
         raise ValueError(f"run_demo needs batch >= 1 and new_tokens >= 0, got {batch} and "

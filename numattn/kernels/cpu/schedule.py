@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import body
+from ...core.jit import body
 
 
 @body

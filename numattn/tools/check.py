@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _cuda, reference
-from .kv_cache import ContinuousBatchingKVCache, PagedKVCache
-from .masks import (
+from .. import reference
+from ..core import device as _cuda
+from ..kv_cache import ContinuousBatchingKVCache, PagedKVCache
+from ..masks import (
     CausalMask,
     ChunkedCausalMask,
     ChunkedMask,
@@ -100,7 +101,7 @@ def _caches(rng, kind, cache_lengths, kv_lens, hkv, d, dtype, page_size=8):
 
 
 def _flash_cases(rng):
-    from . import flash_attention_kv_cache as op
+    from .. import flash_attention_kv_cache as op
 
     f32, f64 = np.float32, np.float64
     # padded, dense K/V, causal, GQA 4
@@ -141,7 +142,7 @@ def _flash_cases(rng):
 
 
 def _decode_cases(rng, device):
-    from . import decode_attention as op
+    from .. import decode_attention as op
 
     f32, f64 = np.float32, np.float64
     q = rng.standard_normal((3, 8, 32)).astype(f32)
@@ -171,7 +172,7 @@ def _decode_cases(rng, device):
 
 
 def _cross_cases(rng, device):
-    from . import cross_attention as op
+    from .. import cross_attention as op
 
     f32, f64 = np.float32, np.float64
     qo = np.array([0, 7, 7, 19])
@@ -195,7 +196,7 @@ def _cross_cases(rng, device):
 
 
 def _merge_cases(rng):
-    from .merge import merge_states
+    from ..merge import merge_states
 
     outs = [rng.standard_normal((5, 4, 8)).astype(np.float32) for _ in range(3)]
     lses = [rng.standard_normal((5, 4)).astype(np.float32) for _ in range(3)]
@@ -235,7 +236,7 @@ def run_checks(seed=0, *, cuda=None, report=None):
 
     Examples
     --------
-    >>> from numattn.check import run_checks
+    >>> from numattn.tools.check import run_checks
     >>> rows = run_checks(cuda=False)
     >>> all(row.passed for row in rows)
     True

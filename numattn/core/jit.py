@@ -74,7 +74,7 @@ cuda = _UnboundCuda()
 #: first definition loaded), and with ``reassoc`` each copy may sum in another order: the
 #: results of one call then changed in the last bits between a process that compiled the
 #: kernels and one that loaded them from the disk cache.  Sums that must run fast are
-#: written in a fixed lane order instead (:func:`numattn._simd.lane_sum`).
+#: written in a fixed lane order instead (:func:`numattn.kernels.cpu.simd.lane_sum`).
 FASTMATH = frozenset({"contract", "arcp", "nsz"})
 
 # Idle OpenMP workers spin only briefly before they sleep (see GOMP_SPINCOUNT above).  libgomp reads
@@ -106,7 +106,7 @@ def _rebind(func, target):
 
         scope["prange"] = numba.prange
     if target == "cuda":
-        from ._cuda import get_cuda
+        from .device import get_cuda
 
         scope["cuda"] = get_cuda()
     clone = types.FunctionType(
@@ -118,13 +118,25 @@ def _rebind(func, target):
     return clone
 
 
+_BEFORE_CPU_COMPILE = []
+
+
+def before_cpu_compile(hook):
+    """Run ``hook()`` before any CPU binding is compiled (once per binding; the hook must be
+    cheap after its first call).  A kernel module that provides Numba extensions (typed
+    intrinsics, overloads) registers itself here when it is imported, so that the core never
+    imports a kernel module."""
+    if hook not in _BEFORE_CPU_COMPILE:
+        _BEFORE_CPU_COMPILE.append(hook)
+    return hook
+
+
 @functools.cache
 def _cpu_jit(func, parallel):
     import numba
 
-    from . import _simd
-
-    _simd.register()  # the explicit-vector functions bodies call, before any compiles
+    for hook in _BEFORE_CPU_COMPILE:  # e.g. the explicit-vector functions bodies call
+        hook()
     clone = _rebind(func, "cpu")
     if not parallel:
         # Numba's on-disk cache names its files after the function and keys them by
@@ -148,17 +160,20 @@ def source_digest():
 
     Numba checks a cached kernel against the file that defines it, not against the files of
     the bodies and intrinsics it calls (and compiles into it): after an edit of
-    :mod:`numattn._simd` or :mod:`numattn.masks` alone, a process would load the kernels of
-    :mod:`numattn.decode` as they were before.  With the digest in their names, any change
-    to the package's sources makes every kernel compile anew (read once per process, at the
-    first kernel binding: ~1 ms).
+    :mod:`numattn.kernels.cpu.simd` or :mod:`numattn.kernels.shared.masks` alone, a process
+    would load the kernels of :mod:`numattn.kernels.cpu.split_k` as they were before.  With
+    the digest in their names, any change to the package's sources makes every kernel
+    compile anew (read once per process, at the first kernel binding: ~1 ms).
     """
     digest = hashlib.sha1()
-    package = os.path.dirname(os.path.abspath(__file__))
-    for name in sorted(os.listdir(package)):
-        if name.endswith(".py"):
-            with open(os.path.join(package, name), "rb") as source:
-                digest.update(name.encode() + b"\0" + source.read() + b"\0")
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for folder, _, files in sorted(os.walk(package)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, "rb") as source:
+                    relative = os.path.relpath(path, package).encode()
+                    digest.update(relative + b"\0" + source.read() + b"\0")
     return digest.hexdigest()[:16]
 
 
@@ -243,7 +258,7 @@ class ParallelBinding:
 @functools.cache
 def cuda_device(func):
     """The CUDA device-function binding of a body (imports ``numba.cuda`` lazily)."""
-    from ._cuda import get_cuda
+    from .device import get_cuda
 
     return get_cuda().jit(device=True)(_rebind(func, "cuda"))
 
@@ -251,7 +266,7 @@ def cuda_device(func):
 @functools.cache
 def cuda_kernel(func):
     """The CUDA kernel binding of a plain kernel function (lazy, compiled at first launch)."""
-    from ._cuda import get_cuda
+    from .device import get_cuda
 
     return get_cuda().jit(_rebind(func, "cuda"))
 

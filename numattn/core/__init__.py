@@ -1,0 +1,1 @@
+"""The data model: masks, caches, configuration, validation, device and JIT binding."""

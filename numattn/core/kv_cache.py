@@ -1,0 +1,419 @@
+"""KV caches, the single addressing scheme the kernels read them through.
+
+Two cache types hold one layer's keys *or* values (k and v are two objects that share
+``cache_lengths`` and ``lookup_table``):
+
+* :class:`ContinuousBatchingKVCache`: ``blocks[num_blocks, max_seq_len, Hkv, D]``; token
+  ``t`` of sequence ``b`` lives at ``blocks[lookup_table[b], t]``.
+* :class:`PagedKVCache`: ``blocks[num_pages, page_size, Hkv, D]``; token ``t`` of sequence
+  ``b`` lives at ``blocks[lookup_table[b, t // page_size], t % page_size]``.
+
+Plain arrays are accepted too (dense ``[B, N, Hkv, D]`` or ragged ``[T, Hkv, D]``).  All four
+become one :class:`KVLayout`: a paged view ``blocks[pages, page_size, Hkv, D]`` with a lookup
+table and a per-sequence ``row_base``, so that every kernel locates token ``t`` of sequence
+``b`` with the same body, :func:`numattn.kernels.shared.paging.kv_page_slot`::
+
+    p = row_base[b] + t
+    page, slot = lookup_table[b, p // page_size], p % page_size
+
+Every table entry a needed token uses is checked against the array bounds on the host
+before a kernel runs; spare entries may hold any sentinel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import numpy as np
+
+from .jit import cpu_jit
+from .validate import (
+    INT64_MAX,
+    check_array,
+    check_float_dtype,
+    check_row_offsets,
+    dtype_of,
+    host_int_array,
+    row_counts,
+    shape_of,
+)
+
+__all__ = ["ContinuousBatchingKVCache", "KVCache", "KVLayout", "PagedKVCache", "resolve_kv"]
+
+
+class _CacheBase:
+    def __post_init__(self):
+        cls = type(self).__name__
+        if not (hasattr(self.blocks, "shape") and hasattr(self.blocks, "dtype")):
+            raise TypeError(
+                f"{cls}.blocks must be a NumPy or CUDA device array (store_kv writes the cache "
+                f"in place, so it is never copied), got {type(self.blocks).__name__}"
+            )
+        check_array(f"{cls}.blocks", self.blocks, ndim=4)
+        check_float_dtype(f"{cls}.blocks", self.blocks)
+        lengths = host_int_array(f"{cls}.cache_lengths", self.cache_lengths)
+        if np.any(lengths < 0):
+            raise ValueError(f"{cls}.cache_lengths must be >= 0, got min {lengths.min()}")
+        table = host_int_array(f"{cls}.lookup_table", self.lookup_table, ndim=self._table_ndim)
+        # Index sequences become int64 arrays, so the attributes always have a shape;
+        # arrays (host or device) are kept as given.
+        if isinstance(self.cache_lengths, (list, tuple)):
+            object.__setattr__(self, "cache_lengths", lengths)
+        if isinstance(self.lookup_table, (list, tuple)):
+            object.__setattr__(self, "lookup_table", table)
+        if table.shape[0] != lengths.shape[0]:
+            raise ValueError(
+                f"{cls}.lookup_table has {table.shape[0]} rows but cache_lengths has "
+                f"{lengths.shape[0]} sequences"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        """Number of sequences (the length of ``cache_lengths``)."""
+        return int(self.cache_lengths.shape[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.blocks.shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.blocks.shape[3])
+
+    @property
+    def dtype(self):
+        return dtype_of(self.blocks)
+
+    def with_cache_lengths(self, cache_lengths):
+        """The same storage with new ``cache_lengths`` (e.g. after a step's tokens)."""
+        return replace(self, cache_lengths=cache_lengths)
+
+
+@dataclass(frozen=True, eq=False)
+class ContinuousBatchingKVCache(_CacheBase):
+    """One contiguous block of ``max_seq_len`` token slots per sequence.
+
+    Parameters
+    ----------
+    blocks : ndarray, shape [num_blocks, max_seq_len, Hkv, D]
+        Key (or value) storage, float32 or float64 (a NumPy or CUDA device array, never
+        copied: :func:`store_kv` writes into it).  A view whose blocks are evenly strided,
+        such as the K half of a fused ``[num_blocks, 2, max_seq_len, Hkv, D]`` pool, is read
+        in place; other non-contiguous layouts are copied on every call.
+    cache_lengths : int array or sequence of ints, shape [B]
+        Tokens cached for each sequence *before* this step.  A list or tuple is stored as
+        an int64 array; an array is kept as given.
+    lookup_table : int array or sequence of ints, shape [B]
+        The block of each sequence (a list or tuple is stored as an int64 array).
+
+    Raises
+    ------
+    TypeError
+        If ``blocks`` is not a float32/float64 array, or the index arguments are not integer.
+    ValueError
+        If shapes disagree or a cache length is negative.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import ContinuousBatchingKVCache
+    >>> blocks = np.zeros((4, 16, 2, 8), dtype=np.float32)
+    >>> cache = ContinuousBatchingKVCache(blocks, np.array([3, 0]), np.array([2, 0]))
+    >>> cache.capacity, cache.batch_size
+    (16, 2)
+    """
+
+    blocks: np.ndarray
+    cache_lengths: np.ndarray
+    lookup_table: np.ndarray
+    _table_ndim = 1
+
+    @property
+    def capacity(self) -> int:
+        """Token slots per sequence (``max_seq_len``)."""
+        return int(self.blocks.shape[1])
+
+
+@dataclass(frozen=True, eq=False)
+class PagedKVCache(_CacheBase):
+    """Fixed-size pages shared by all sequences, found through a per-sequence page table.
+
+    Parameters
+    ----------
+    blocks : ndarray, shape [num_pages, page_size, Hkv, D]
+        Key (or value) pages, float32 or float64 (a NumPy or CUDA device array, never
+        copied: :func:`store_kv` writes into it).  A view whose pages are evenly strided,
+        such as the K half of a fused ``[pages, 2, page_size, Hkv, D]`` pool, is read in
+        place; other non-contiguous layouts are copied on every call.
+    cache_lengths : int array or sequence of ints, shape [B]
+        Tokens cached for each sequence *before* this step.  A list or tuple is stored as
+        an int64 array; an array is kept as given.
+    lookup_table : int array or nested sequence of ints, shape [B, max_pages]
+        Page ``j`` of sequence ``b`` is ``blocks[lookup_table[b, j]]``.  Entries that no
+        needed token uses may hold any value (a sentinel such as ``num_pages``).  A list or
+        tuple is stored as an int64 array.
+
+    Raises
+    ------
+    TypeError
+        If ``blocks`` is not a float32/float64 array, or the index arguments are not integer.
+    ValueError
+        If shapes disagree or a cache length is negative.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import PagedKVCache
+    >>> pages = np.zeros((8, 4, 2, 16), dtype=np.float32)
+    >>> table = np.array([[5, 1, 8], [0, 8, 8]])  # 8 = unused
+    >>> cache = PagedKVCache(pages, np.array([6, 2]), table)
+    >>> cache.page_size, cache.capacity
+    (4, 12)
+    """
+
+    blocks: np.ndarray
+    cache_lengths: np.ndarray
+    lookup_table: np.ndarray
+    _table_ndim = 2
+
+    @property
+    def page_size(self) -> int:
+        return int(self.blocks.shape[1])
+
+    @property
+    def capacity(self) -> int:
+        """Token slots per sequence (``max_pages * page_size``)."""
+        return int(self.lookup_table.shape[1]) * self.page_size
+
+
+KVCache = (ContinuousBatchingKVCache, PagedKVCache)
+
+
+class KVLayout(NamedTuple):
+    """K and V of one call, normalised to the paged addressing every kernel uses."""
+
+    k_blocks: object  # [pages, page_size, Hkv, D], host or device array
+    v_blocks: object
+    page_size: int
+    lookup_table: np.ndarray  # int64 [B, max_pages]
+    row_base: np.ndarray  # int64 [B]
+    cache_lengths: np.ndarray  # int64 [B]: tokens before this step (0 for plain arrays)
+    num_keys: np.ndarray  # int64 [B]: keys each sequence attends over
+    num_kv_heads: int
+    head_dim: int
+    max_keys: int  # num_keys.max() (0 for no sequence)
+    total_keys: int  # num_keys.sum()
+    page_step: int  # lookup_table holds the caller's page p as p * page_step (_page_view)
+
+
+def _contiguous(x):
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x)
+    return x
+
+
+def _page_view(blocks):
+    """``(pages, step)``: a C-contiguous array whose page ``p * step`` is page ``p`` of the
+    4-d ``blocks``, sharing its memory when only the page stride is uneven, as in the K or
+    V half of a fused pool (FlashInfer's ``[pages, 2, page_size, Hkv, D]``); otherwise
+    ``(a contiguous copy, 1)``.  Device arrays are returned as they are.
+
+    The view spans exactly the bytes from the first page of ``blocks`` to the end of its
+    last one, all inside the array ``blocks`` is a view of, and is read-only.
+    """
+    if not isinstance(blocks, np.ndarray) or blocks.flags.c_contiguous:
+        return blocks, 1
+    num_pages, page_size, heads, dim = blocks.shape
+    page_bytes = page_size * heads * dim * blocks.itemsize
+    stride = blocks.strides[0]
+    if num_pages and page_bytes and stride > 0 and stride % page_bytes == 0 \
+            and blocks[:1].flags.c_contiguous:
+        step = stride // page_bytes
+        view = np.lib.stride_tricks.as_strided(
+            blocks, shape=((num_pages - 1) * step + 1, page_size, heads, dim),
+            strides=(page_bytes, *blocks.strides[1:]), writeable=False)
+        return view, step
+    return np.ascontiguousarray(blocks), 1
+
+
+def _paged_views(k_blocks, v_blocks):
+    """K and V pages for the kernels and the page step they share (see :func:`_page_view`);
+    K and V with different page strides are both copied (step 1)."""
+    k_pages, k_step = _page_view(k_blocks)
+    v_pages, v_step = _page_view(v_blocks)
+    if k_step != v_step:
+        return _contiguous(k_blocks), _contiguous(v_blocks), 1
+    return k_pages, v_pages, k_step
+
+
+def _check_pair(k, v):
+    if type(k) is not type(v):
+        raise TypeError(
+            f"k and v must be the same kind of input, got {type(k).__name__} and "
+            f"{type(v).__name__}"
+        )
+    if not isinstance(k, KVCache):  # dense [B, N, Hkv, D] or ragged [T, Hkv, D] arrays
+        check_array("k", k, ndim=(3, 4))
+        check_array("v", v, ndim=(3, 4))
+    ks = shape_of(k.blocks if isinstance(k, KVCache) else k)
+    vs = shape_of(v.blocks if isinstance(v, KVCache) else v)
+    if ks != vs:
+        raise ValueError(f"k and v must have the same shape, got {list(ks)} and {list(vs)}")
+
+
+def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
+    """Validate K/V and describe them as a :class:`KVLayout`.
+
+    Parameters
+    ----------
+    k, v : cache objects, dense ``[B, N, Hkv, D]`` or ragged ``[T, Hkv, D]`` arrays
+    batch : int
+        Number of sequences B.
+    dtype : numpy dtype
+        The queries' dtype, which K and V must share.
+    kv_lens : int64 array [B] or None
+        New K/V rows of this step per sequence (cache inputs), so that
+        ``num_keys = cache_lengths + kv_lens``.  ``None`` means 0.
+    kv_offsets : int64 array [B + 1] or None
+        Ragged split of plain ``[T, Hkv, D]`` arrays (required for them).  Dense
+        ``[B, N, Hkv, D]`` arrays give ``num_keys = N`` for every sequence.
+    """
+    _check_pair(k, v)
+    if isinstance(k, KVCache):
+        return resolve_cache(k, v, batch=batch, dtype=dtype, kv_lens=kv_lens)
+    for name, x in (("k", k), ("v", v)):
+        if dtype_of(x) != dtype:
+            raise TypeError(f"{name} must have the queries' dtype {dtype}, got {dtype_of(x)}")
+    if len(k.shape) == 4:
+        b, n, hkv, d = shape_of(k)
+        if b != batch:
+            raise ValueError(f"k must have shape [B={batch}, N, Hkv, D], got {list(shape_of(k))}")
+        k, v, step = _paged_views(k, v)
+        table = (np.arange(batch, dtype=np.int64) * step).reshape(batch, 1)
+        return KVLayout(
+            k, v, max(n, 1), table, np.zeros(batch, np.int64), np.zeros(batch, np.int64),
+            np.full(batch, n, np.int64), hkv, d, n if batch else 0, batch * n, step,
+        )
+    k = _contiguous(k)
+    v = _contiguous(v)
+    t, hkv, d = shape_of(k)
+    if kv_offsets is None:
+        raise ValueError("ragged k and v of shape [T, Hkv, D] need row offsets")
+    kv_offsets = check_row_offsets("kv_input_row_offsets", kv_offsets, t, "k.shape[0]",
+                                   batch=batch)
+    table = np.zeros((batch, 1), dtype=np.int64)
+    num_keys = row_counts(kv_offsets)
+    return KVLayout(
+        k.reshape(1, t, hkv, d), v.reshape(1, t, hkv, d), max(t, 1), table,
+        kv_offsets[:-1].copy(), np.zeros(batch, np.int64), num_keys, hkv, d,
+        int(num_keys.max(initial=0)), int(kv_offsets[-1] - kv_offsets[0]), 1,
+    )
+
+
+def resolve_cache(k, v, *, batch, dtype, kv_lens):
+    cls = type(k).__name__
+    for name, c in (("k", k), ("v", v)):
+        if dtype_of(c.blocks) != dtype:
+            raise TypeError(
+                f"{name}.blocks must have the queries' dtype {dtype}, got {dtype_of(c.blocks)}"
+            )
+    lengths = host_int_array(f"{cls}.cache_lengths", k.cache_lengths)
+    table = host_int_array(f"{cls}.lookup_table", k.lookup_table, ndim=k._table_ndim)
+    if k.cache_lengths is not v.cache_lengths and not np.array_equal(
+        lengths, host_int_array("v.cache_lengths", v.cache_lengths)
+    ):
+        raise ValueError("k and v caches must share cache_lengths")
+    if k.lookup_table is not v.lookup_table and not np.array_equal(
+        table, host_int_array("v.lookup_table", v.lookup_table, ndim=k._table_ndim)
+    ):
+        raise ValueError("k and v caches must share lookup_table")
+    if lengths.shape[0] != batch:
+        raise ValueError(
+            f"the cache holds {lengths.shape[0]} sequences (cache_lengths) but the queries "
+            f"hold {batch}"
+        )
+    pages, page_size, hkv, d = shape_of(k.blocks)
+    if isinstance(k, ContinuousBatchingKVCache):
+        capacity = page_size
+    else:
+        capacity = min(table.shape[1] * page_size, INT64_MAX)
+    # The constructor checked cache_lengths, but callers update it in place between steps.
+    kv_lens = np.zeros(batch, np.int64) if kv_lens is None else kv_lens
+    k_pages, v_pages, step = _paged_views(k.blocks, v.blocks)
+    if table.shape[0] != batch:  # fixed at construction; checked again before reading it
+        raise ValueError(f"{cls}.lookup_table has {table.shape[0]} rows for {batch} sequences")
+    error, b, j, num_keys, max_keys, total_keys, kernel_table = cpu_jit(_check_cache_tables)(
+        lengths, kv_lens, table if table.ndim == 2 else table.reshape(batch, 1), capacity, pages,
+        page_size, step,
+    )
+    if error == _NEGATIVE_LENGTH:
+        raise ValueError(f"{cls}.cache_lengths[{b}] must be >= 0, got {lengths[b]}")
+    if error == _OVER_CAPACITY:
+        length, new = int(lengths[b]), int(kv_lens[b])
+        if isinstance(k, ContinuousBatchingKVCache):
+            limit = f"the cache holds max_seq_len = {page_size}"
+        else:
+            limit = f"its lookup_table row holds {table.shape[1]} pages of {page_size}"
+        raise ValueError(
+            f"sequence {b} needs {length + new} tokens ({cls}.cache_lengths[{b}] = {length} "
+            f"plus {new} new rows) but {limit}"
+        )
+    if error == _BAD_PAGE and isinstance(k, ContinuousBatchingKVCache):
+        raise ValueError(
+            f"lookup_table[{b}] = {table[b]} is out of range [0, {pages}) for a sequence "
+            "with tokens"
+        )
+    if error == _BAD_PAGE:
+        raise ValueError(
+            f"lookup_table[{b}, {j}] = {table[b, j]} is out of range [0, {pages}) but "
+            f"sequence {b} uses that page"
+        )
+    return KVLayout(
+        k_pages, v_pages, max(page_size, 1), kernel_table, np.zeros(batch, np.int64), lengths,
+        num_keys, hkv, d, max_keys, total_keys, step,
+    )
+
+
+_NEGATIVE_LENGTH, _OVER_CAPACITY, _BAD_PAGE = 1, 2, 3
+
+
+def _check_cache_tables(lengths, kv_lens, table, capacity, num_pages, page_size, step):
+    """Check a cache's lengths and table in one compiled pass (NumPy steps on these small
+    arrays cost ~1 us each, a dozen of them per call); nothing here raises.
+
+    ``table`` is ``[B, P]`` (continuous batching: ``P = 1``, a sequence's page is its slot).
+    Returns ``(error, b, j, num_keys, max_keys, total_keys, kernel_table)``: ``error`` 0, or
+    ``_NEGATIVE_LENGTH`` / ``_OVER_CAPACITY`` for sequence ``b`` (``cache_lengths[b] +
+    kv_lens[b]`` past ``capacity``, compared with the room left so that lengths near the
+    int64 limit cannot wrap), or ``_BAD_PAGE`` for entry ``(b, j)`` of a page the sequence
+    uses that is outside ``[0, num_pages)``.  ``num_keys = cache_lengths + kv_lens``, its
+    largest entry and its sum (0 for no sequence); ``kernel_table [B, P]`` is the table
+    times ``step`` (see :func:`_page_view`) with 0 in the entries no token uses, which may
+    hold any sentinel.
+    """
+    batch, pages_per_row = table.shape
+    num_keys = np.empty(batch, dtype=np.int64)
+    kernel_table = np.zeros((batch, pages_per_row), dtype=np.int64)
+    max_keys = 0
+    total_keys = 0
+    for b in range(batch):
+        length = lengths[b]
+        if length < 0:
+            return _NEGATIVE_LENGTH, b, 0, num_keys, 0, 0, kernel_table
+        if length > capacity or kv_lens[b] > capacity - length:
+            return _OVER_CAPACITY, b, 0, num_keys, 0, 0, kernel_table
+        num_keys[b] = length + kv_lens[b]
+        max_keys = max(max_keys, num_keys[b])
+        total_keys += num_keys[b]
+    for b in range(batch):
+        if page_size == 0:
+            used_pages = pages_per_row if num_keys[b] > 0 else 0
+        else:
+            used_pages = min(-(-num_keys[b] // page_size), pages_per_row)
+        for j in range(used_pages):
+            page = table[b, j]
+            if page < 0 or page >= num_pages:
+                return _BAD_PAGE, b, j, num_keys, 0, 0, kernel_table
+            kernel_table[b, j] = page * step
+    return 0, 0, 0, num_keys, max_keys, total_keys, kernel_table

@@ -1,0 +1,2 @@
+"""Attention kernels: ``shared`` bodies compiled for both targets, ``cpu`` and ``cuda``
+drivers and kernels."""

@@ -1,0 +1,1 @@
+"""CPU drivers and kernels (Numba ``njit``, parallel over work items)."""

@@ -1,0 +1,532 @@
+"""Blocked (flash) attention on the CPU over the paged addressing of every K/V input.
+
+The kernel splits the work into items ``(sequence, KV head, query tile)``; each item is
+computed by one thread from start to end, so results do not depend on the thread count.
+Inside an item the ``group`` query heads that share the KV head are stacked into one tall
+tile of ``group * block_q`` rows, and for each tile of ``block_k`` keys:
+
+1. the mask's tile status is looked up: a FULL tile (every pair hidden) is skipped before
+   any key is read; a NONE tile (nothing hidden) skips the per-element mask;
+2. the K and V rows of the tile are gathered through the page table into contiguous
+   scratch, so every cache layout feeds the same BLAS calls;
+3. ``S = Q K^T`` (one GEMM), the per-element mask and additive tensor where needed (as one
+   run of visible keys per row when the mask has no ``|``), then the online-softmax update
+   (:func:`.softmax.softmax_tile`) turns ``S`` into ``P``;
+4. ``acc = alpha * acc + P V`` (a second GEMM).
+
+Partially masked tiles are cut into runs of a few query positions, each trimmed to the keys it
+can see, so causal and windowed masks cost about their visible pairs.  BLAS runs
+single-threaded inside the parallel loop, each thread owns its scratch, items are dealt to
+threads by estimated cost, and the sink logit enters each row's denominator exactly once,
+when the row is finished.  Problems of at most :data:`MULTI_QUERY_MAX_LEN` query rows per
+sequence (with enough work) go to the split-K kernel instead
+(:func:`.split_k.run_multi_query_cpu`), which reads each token's K and V
+row once for all heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+import numpy as np
+
+from ...core.jit import body, cpu_jit, prange
+from ...core.masks import TILE_FULL, TILE_NONE, TILE_PARTIAL
+from ...core.validate import row_counts
+from ..shared.masks import add_bias, mask_tile_status, mask_visible, visible_span
+from ..shared.paging import kv_page_slot
+from ..shared.softmax import finish_row
+from .schedule import zigzag_schedule
+from .simd import prefetch_head
+from .softmax import softmax_tile
+from .split_k import run_multi_query_cpu
+
+_BLAS_LIBRARIES = None  # threadpoolctl's controllers of the BLAS libraries loaded
+_BLAS_LOCK = threading.Lock()
+_BLAS_CALLS = 0  # calls inside _blas_single_thread, from every Python thread
+_BLAS_ORIGINAL = []  # their thread counts, read while no call held BLAS to one thread
+
+
+@contextlib.contextmanager
+def _blas_single_thread():
+    """Holds every BLAS thread pool to one thread while the flash kernel runs on the worker
+    threads (each of its GEMMs then runs on the worker that calls it), then restores them.
+
+    The limit is process-wide and calls may overlap from several Python threads: the first
+    call in reads the thread counts and sets the limit, the last one out restores them (a
+    call that read them while another held the limit would "restore" one thread for good,
+    and one that restored them while another ran would leave that one's GEMMs to the whole
+    pool, several times slower).  threadpoolctl (>= 3.8) lets only one Python thread change
+    OpenBLAS's pool, the last one that did while it lives, so each change here gives that
+    control back (:func:`_set_blas_threads`).
+    """
+    global _BLAS_LIBRARIES, _BLAS_CALLS, _BLAS_ORIGINAL
+    with _BLAS_LOCK:
+        if _BLAS_LIBRARIES is None:
+            import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot calls SciPy's BLAS)
+            from threadpoolctl import ThreadpoolController
+
+            _BLAS_LIBRARIES = ThreadpoolController().select(user_api="blas").lib_controllers
+        if _BLAS_CALLS == 0:
+            _BLAS_ORIGINAL = [library.num_threads for library in _BLAS_LIBRARIES]
+            _set_blas_threads([1] * len(_BLAS_LIBRARIES))
+        _BLAS_CALLS += 1
+    try:
+        yield
+    finally:
+        with _BLAS_LOCK:
+            _BLAS_CALLS -= 1
+            if _BLAS_CALLS == 0:
+                _set_blas_threads(_BLAS_ORIGINAL)
+
+
+def _set_blas_threads(counts):
+    """Sets the BLAS libraries' thread counts, then gives up threadpoolctl's control of
+    OpenBLAS's pool if this thread holds it, so that the next change, from any thread,
+    takes effect.  Another thread that holds that control (one of the application's own
+    that set a limit and lives on) keeps it, and then these changes do nothing."""
+    for library, num_threads in zip(_BLAS_LIBRARIES, counts):
+        library.set_num_threads(num_threads)
+        release = getattr(library, "clear_controlling_thread", None)  # threadpoolctl >= 3.8
+        if release is not None:
+            release()
+
+
+def _work_items(q_offsets, q_start_pos, num_keys, num_kv_heads, program, block_q, block_k,
+               num_threads):
+    """Work items ``(sequence, KV head, first row)``, their split among the threads, and
+    the work they hold.
+
+    Each query tile is costed (rows x keys of its key tiles that the mask does not hide
+    entirely), and the items, most expensive first, are dealt to the threads in a zigzag
+    (0, 1, .., T-1, T-1, .., 0, 0, ..), which balances them.  Thread ``t`` runs items
+    ``starts[t]:starts[t + 1]``.  The split only decides which thread computes an item, never
+    how, so results do not depend on the number of threads.  Returns ``item_seq, item_head,
+    item_row0, item_width, starts`` and the total cost (query rows x keys, summed over the
+    KV heads).  Compiled: a few microseconds a call (the same steps as NumPy array
+    operations cost ~40 us on small problems).
+    """
+    batch = q_offsets.shape[0] - 1
+    tiles = np.empty(batch, dtype=np.int64)
+    size = np.empty(batch, dtype=np.int64)
+    num_tiles = 0
+    for b in range(batch):
+        q_len = q_offsets[b + 1] - q_offsets[b]
+        tiles[b] = -(-q_len // block_q)
+        # equal tiles per sequence (a multiple of 16 rows), not block_q and a short remainder
+        per_tile = -(-q_len // max(tiles[b], 1))
+        size[b] = min(-(-per_tile // 16) * 16, block_q)
+        num_tiles += tiles[b]
+    seq = np.empty(num_tiles, dtype=np.int64)
+    row0 = np.empty(num_tiles, dtype=np.int64)
+    width = np.empty(num_tiles, dtype=np.int64)
+    i = 0
+    for b in range(batch):
+        q_len = q_offsets[b + 1] - q_offsets[b]
+        for t in range(tiles[b]):
+            seq[i] = b
+            row0[i] = t * size[b]
+            width[i] = min(size[b], q_len - row0[i])
+            i += 1
+    cost = np.empty(num_tiles, dtype=np.int64)
+    _tile_costs(q_start_pos, num_keys, seq, row0, width, program, block_k, cost)
+    # item i: query tile i // num_kv_heads, KV head i % num_kv_heads
+    num_items = num_tiles * num_kv_heads
+    item_cost = np.empty(num_items, dtype=np.int64)
+    total_cost = 0
+    for i in range(num_items):
+        item_cost[i] = cost[i // num_kv_heads]
+        total_cost += item_cost[i]
+    order, starts = zigzag_schedule(item_cost, num_threads)
+    item_seq = np.empty(num_items, dtype=np.int64)
+    item_head = np.empty(num_items, dtype=np.int64)
+    item_row0 = np.empty(num_items, dtype=np.int64)
+    item_width = np.empty(num_items, dtype=np.int64)
+    for slot in range(num_items):
+        item = order[slot]
+        tile = item // num_kv_heads
+        item_seq[slot] = seq[tile]
+        item_head[slot] = item % num_kv_heads
+        item_row0[slot] = row0[tile]
+        item_width[slot] = width[tile]
+    return item_seq, item_head, item_row0, item_width, starts, total_cost
+
+
+def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_additive,
+                  scale, sink_weights, config, out, lse):
+    """Run the CPU flash kernel on a normalised ragged problem (no validation here).
+
+    Parameters
+    ----------
+    q : ndarray [T, H, D], C-contiguous float32 or float64
+    q_offsets : int64 [B + 1]
+        Rows of each sequence in ``q``.
+    q_start_pos : int64 [B]
+        Position ``q_idx`` of each sequence's first query row.
+    layout : KVLayout
+        From :func:`numattn.core.kv_cache.resolve_kv`.
+    program, additive, has_additive
+        From :func:`numattn.core.masks.compile_mask` and :func:`numattn.core.masks.additive_4d`.
+    scale : float
+    sink_weights : ndarray [H] of q's dtype, or None
+    config : MHAConfig
+    out : ndarray [T, H, D]
+        Written in place.
+    lse : ndarray [T, H] or None
+        Written in place when given.
+    """
+    total, num_heads, _ = q.shape
+    if total == 0 or num_heads == 0:
+        return
+    dtype = q.dtype
+    group = num_heads // layout.num_kv_heads
+    import numba
+
+    q_lens = row_counts(q_offsets)
+    max_q_len = int(q_lens.max())
+    # multiply-adds of the Q K^T and P V products (before the mask)
+    work = 2 * int(np.dot(q_lens, layout.num_keys)) * num_heads * q.shape[2]
+    batch = q_offsets.shape[0] - 1
+    if (max_q_len <= MULTI_QUERY_MAX_LEN and work > MULTI_QUERY_MIN_WORK
+            and total >= MULTI_QUERY_MIN_ACTIVE * batch * max_q_len
+            and layout.max_keys >= MULTI_QUERY_MIN_KEYS_PER_ROW * max_q_len):
+        run_multi_query_cpu(
+            q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
+            bool(has_additive), scale, sink_weights, config, out, lse,
+            work > SERIAL_MULTIPLY_ADDS,
+        )
+        return
+
+    item_seq, item_head, item_row0, item_width, starts, total_cost = cpu_jit(_work_items)(
+        q_offsets, q_start_pos, layout.num_keys, layout.num_kv_heads, program, config.block_q,
+        config.block_k, numba.get_num_threads(),
+    )
+    has_sink = sink_weights is not None
+    sinks = sink_weights if has_sink else np.zeros(1, dtype=dtype)
+    want_lse = lse is not None
+    lse_buf = lse if want_lse else np.empty((1, 1), dtype=dtype)
+    # multiply-adds of the Q K^T and P V products
+    parallel = 2 * total_cost * group * q.shape[2] > SERIAL_MULTIPLY_ADDS
+    kernel = cpu_jit(_flash_kernel, parallel=parallel)
+    with _blas_single_thread() if parallel else contextlib.nullcontext():
+        kernel(
+            q, q_offsets, q_start_pos, item_seq, item_head, item_row0, item_width, starts,
+            layout.k_blocks, layout.v_blocks, layout.page_size, layout.lookup_table,
+            layout.row_base, layout.num_keys, program, additive, bool(has_additive),
+            dtype.type(scale), sinks, has_sink, group, config.block_q, config.block_k,
+            _SUB_Q, out, lse_buf, want_lse,
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Kernel (CPU only) and its helpers.
+# --------------------------------------------------------------------------------------
+#: Calls with up to this many multiply-adds run on the calling thread: waking the worker
+#: threads costs 30-100 us on a virtual machine (a few us elsewhere), more than it saves on
+#: such work.
+SERIAL_MULTIPLY_ADDS = 2**21
+#: Problems with at most MULTI_QUERY_MAX_LEN query rows per sequence, more than
+#: MULTI_QUERY_MIN_WORK multiply-adds, at least MULTI_QUERY_MIN_ACTIVE of their
+#: ``B * max_q_len`` rows in use and at least MULTI_QUERY_MIN_KEYS_PER_ROW keys (longest
+#: sequence) per query row run on decode's kernels
+#: (:func:`.split_k.run_multi_query_cpu`, which computes every sequence as
+#: ``max_q_len`` rows long and reads each K and V row once for all of them); others on the
+#: kernel below (fewer fixed costs on tiny problems, no work on rows a sequence does not
+#: have, and the faster of the two where the cache is short for the rows: there the
+#: decode kernels spend their time on the mask's partly hidden tail and one work item per
+#: sequence).  Flash kernel time over decode kernels' time, H=32 Hkv=8 D=128, B=1 and 4,
+#: medians of 7 rounds each: at 64 keys per row causal chunks 0.99-1.17, cross attention
+#: 0.94-1.27; at 32, 0.88-1.07 and 1.00-1.19; at 16 and fewer, 0.57-1.05 and 0.67-1.02.
+MULTI_QUERY_MAX_LEN = 16
+MULTI_QUERY_MIN_WORK = SERIAL_MULTIPLY_ADDS
+MULTI_QUERY_MIN_ACTIVE = 0.5
+MULTI_QUERY_MIN_KEYS_PER_ROW = 32
+#: The gather of a work item reads one KV head's row from each token's row of all heads:
+#: rows that stride through memory, which the hardware prefetcher does not follow, so that
+#: with a short query tile the gather's waits for memory took about a fifth of the time
+#: (B=4, one tile of S=16 or 24 rows per sequence: 1.28-1.30x faster with the rows in
+#: cache).  It asks for the rows this many keys ahead: 1.04-1.08x faster there (N=200 or
+#: 4096, two runs of 15 rounds; 2 keys ahead 0.99-1.07x, 8 1.03-1.07x), S=64 1.00-1.05x,
+#: prefill unchanged.  (Items of all KV heads, whose gather reads each token's whole row,
+#: were 0.86-1.00x.)
+GATHER_PREFETCH_KEYS = 4
+_CHUNK = 16  # keys per mask sub-tile when a PARTIAL tile is resolved row by row
+_SUB_Q = 16  # query positions per sub-tile of a PARTIAL tile (each trimmed to its keys)
+
+
+
+@body
+def _row_visibility(program, q_idx, k0, kw, visible):
+    """``visible[j]`` for keys ``k0 .. k0 + kw - 1`` of query ``q_idx``, by sub-tiles."""
+    for c0 in range(0, kw, _CHUNK):
+        c1 = min(c0 + _CHUNK, kw)
+        status = mask_tile_status(program, q_idx, q_idx, k0 + c0, k0 + c1 - 1)
+        if status == TILE_PARTIAL:
+            for j in range(c0, c1):
+                visible[j] = mask_visible(program, q_idx, k0 + j)
+        else:
+            for j in range(c0, c1):
+                visible[j] = status == TILE_NONE
+
+
+@body
+def _pv_visible_only(p_tile, v_tile, program, pos0, k0, group, has_additive, additive, bm,
+                     kv_head, row0, pv, visible):
+    """``pv = P V`` reading only each row's visible keys (V holds a NaN or inf).
+
+    Used instead of the GEMM when a partially masked tile's values are not all finite, so
+    that a non-finite value behind the mask (``p = 0``) cannot reach the rows it is hidden
+    from, while a row that sees it still gets NaN, as the reference does.  Rows of
+    ``p_tile`` are stacked position-major: row ``r * group + hl`` is position ``pos0 + r``
+    of head ``kv_head * group + hl``.
+    """
+    kw = v_tile.shape[0]
+    head_dim = v_tile.shape[1]
+    n_hm = additive.shape[1]
+    for r in range(p_tile.shape[0] // group):
+        _row_visibility(program, pos0 + r, k0, kw, visible)
+        for hl in range(group):
+            i = r * group + hl
+            hm = kv_head * group + hl if n_hm > 1 else 0
+            for d in range(head_dim):
+                pv[i, d] = 0
+            for j in range(kw):
+                seen = visible[j]
+                if seen and has_additive:
+                    seen = additive[bm, hm, row0 + r, k0 + j] != -math.inf
+                if seen:
+                    p = p_tile[i, j]
+                    for d in range(head_dim):
+                        pv[i, d] += p * v_tile[j, d]
+
+
+@body
+def _key_extent(program, q0, q1, k0, kw):
+    """Keys ``[ka, kb)`` of a tile that queries ``[q0, q1]`` may see (FULL ends trimmed)."""
+    ka = 0
+    while ka < kw:
+        end = min(ka + _CHUNK, kw)
+        if mask_tile_status(program, q0, q1, k0 + ka, k0 + end - 1) != TILE_FULL:
+            break
+        ka = end
+    kb = kw
+    while kb > ka:
+        start = max(kb - _CHUNK, ka)
+        if mask_tile_status(program, q0, q1, k0 + start, k0 + kb - 1) != TILE_FULL:
+            break
+        kb = start
+    return ka, kb
+
+
+@body
+def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible, k_tile,
+               v_tile, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k0, group, program,
+               has_additive, additive, bm, kv_head, row0):
+    """One online-softmax step of query positions ``[r0, r1)`` over tile keys ``[ka, kb)``.
+
+    ``S = Q K^T`` and ``acc = alpha acc + P V`` are two BLAS GEMMs on contiguous views of
+    the stacked rows ``[r0 * group, r1 * group)``; ``elementwise`` applies the mask (and the
+    additive tensor) pair by pair in between.
+    """
+    i0 = r0 * group
+    rows = (r1 - r0) * group
+    nk = kb - ka
+    q_rows = q_buf[i0 * head_dim: (i0 + rows) * head_dim].reshape(rows, head_dim)
+    keys = k_tile[ka * head_dim: kb * head_dim].reshape(nk, head_dim)
+    values = v_tile[ka * head_dim: kb * head_dim].reshape(nk, head_dim)
+    scores = s_buf[: rows * nk].reshape(rows, nk)
+    np.dot(q_rows, keys.T, scores)
+    n_hm = additive.shape[1]
+    if elementwise:
+        for r in range(r0, r1):
+            jlo, jhi, is_span = visible_span(program, pos0 + r, k0 + ka, nk)
+            if not is_span:
+                _row_visibility(program, pos0 + r, k0 + ka, nk, visible)
+            for hl in range(group):
+                i = (r - r0) * group + hl
+                hm = kv_head * group + hl if n_hm > 1 else 0
+                if is_span:
+                    for j in range(jlo):
+                        scores[i, j] = -np.inf
+                    for j in range(jhi, nk):
+                        scores[i, j] = -np.inf
+                    if has_additive:
+                        for j in range(jlo, jhi):
+                            scores[i, j] = add_bias(
+                                scores[i, j], additive[bm, hm, row0 + r, k0 + ka + j])
+                    continue
+                for j in range(nk):
+                    if not visible[j]:
+                        scores[i, j] = -np.inf
+                    elif has_additive:
+                        scores[i, j] = add_bias(
+                            scores[i, j], additive[bm, hm, row0 + r, k0 + ka + j])
+    m_rows = m_run[i0: i0 + rows]
+    l_rows = l_run[i0: i0 + rows]
+    alpha_rows = alpha[:rows]
+    softmax_tile(scores, m_rows, l_rows, alpha_rows)
+    pv = pv_buf[: rows * head_dim].reshape(rows, head_dim)
+    if elementwise and not v_finite:
+        _pv_visible_only(scores, values, program, pos0 + r0, k0 + ka, group, has_additive,
+                         additive, bm, kv_head, row0 + r0, pv, visible)
+    else:
+        np.dot(scores, values, pv)
+    acc = acc_buf[i0 * head_dim: (i0 + rows) * head_dim].reshape(rows, head_dim)
+    for i in range(rows):
+        a = alpha_rows[i]
+        for d in range(head_dim):
+            acc[i, d] = acc[i, d] * a + pv[i, d]
+
+
+@body
+def _tile_costs(q_start_pos, num_keys, seq, row0, widths, program, block_k, cost):
+    """``cost[i]``: rows x keys of the key tiles that query tile ``i`` does not skip."""
+    for i in range(seq.shape[0]):
+        b = seq[i]
+        width = widths[i]
+        pos0 = q_start_pos[b] + row0[i]
+        keys = 0
+        for k0 in range(0, num_keys[b], block_k):
+            kw = min(block_k, num_keys[b] - k0)
+            if mask_tile_status(program, pos0, pos0 + width - 1, k0, k0 + kw - 1) != TILE_FULL:
+                keys += kw
+        cost[i] = width * (keys + 1)
+
+
+def _flash_kernel(q, q_offsets, q_start_pos, item_seq, item_head, item_row0, item_width, starts,
+                  k_blocks,
+                  v_blocks, page_size, lookup_table, row_base, num_keys, program, additive,
+                  has_additive, scale, sinks, has_sink, group, block_q, block_k, sub_q,
+                  out, lse, want_lse):
+    head_dim = q.shape[2]
+    dtype = q.dtype
+    widest = 0  # rows of the widest item (at most block_q): scratch for the stacked rows
+    for item in range(item_width.shape[0]):
+        widest = max(widest, item_width[item])
+    max_rows = group * min(widest, block_q)
+    for thread in prange(starts.shape[0] - 1):
+        if starts[thread] == starts[thread + 1]:
+            continue
+        # Scratch of one thread, reused by its items: the stacked query tile, accumulator,
+        # P V product, running max / sum / rescale factors, one tile of scores, K and V.
+        q_buf = np.empty(max_rows * head_dim, dtype=dtype)
+        acc_buf = np.empty(max_rows * head_dim, dtype=dtype)
+        pv_buf = np.empty(max_rows * head_dim, dtype=dtype)
+        s_buf = np.empty(max_rows * block_k, dtype=dtype)
+        row_state = np.empty((3, max_rows), dtype=dtype)
+        k_tile = np.empty(block_k * head_dim, dtype=dtype)
+        v_tile = np.empty(block_k * head_dim, dtype=dtype)
+        visible = np.empty(block_k, dtype=np.bool_)
+        key_rows = np.empty((2, block_k), dtype=np.int64)  # page and slot of each key
+        for item in range(starts[thread], starts[thread + 1]):
+            _run_item(q, q_offsets, q_start_pos, item_seq[item], item_head[item], item_row0[item],
+                      item_width[item], k_blocks, v_blocks, page_size, lookup_table, row_base,
+                      num_keys, program, additive, has_additive, scale, sinks, has_sink, group,
+                      block_k, sub_q, out, lse, want_lse, q_buf, acc_buf, pv_buf, s_buf,
+                      row_state, k_tile, v_tile, visible, key_rows)
+
+
+@body
+def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_blocks,
+              page_size, lookup_table, row_base, num_keys, program, additive, has_additive,
+              scale, sinks, has_sink, group, block_k, sub_q, out, lse, want_lse, q_buf,
+              acc_buf, pv_buf, s_buf, row_state, k_tile, v_tile, visible, key_rows):
+    """Compute one work item: ``width`` query rows from ``row0`` of sequence ``b``, one KV head."""
+    head_dim = q.shape[2]
+    zero = scale - scale  # 0 of q's dtype
+    n_bm = additive.shape[0]
+    q_base = q_offsets[b] + row0
+    pos0 = q_start_pos[b] + row0
+    n_keys = num_keys[b]
+    bm = b if n_bm > 1 else 0
+    rows = group * width
+    h0 = kv_head * group
+    # Stacked, pre-scaled query tile, position-major: row r * group + hl holds
+    # position pos0 + r of head h0 + hl (so a run of positions is a run of rows).
+    for r in range(width):
+        for hl in range(group):
+            base = (r * group + hl) * head_dim
+            for d in range(head_dim):
+                q_buf[base + d] = q[q_base + r, h0 + hl, d] * scale
+    for i in range(rows * head_dim):
+        acc_buf[i] = 0
+    m_run = row_state[0]
+    l_run = row_state[1]
+    alpha = row_state[2]
+    for i in range(rows):
+        m_run[i] = -np.inf
+        l_run[i] = 0
+    # The calls to _tile_step pass variables where they would pass constants: Numba types
+    # 0, -1, True and False as literal types of their own, and compiles a callee once per
+    # signature (four signatures cost 8.6 s of compiling, one 4.4 s).
+    first = width - width  # 0, as an int64
+    elementwise = first == first  # True, as a bool
+    for k0 in range(0, n_keys, block_k):
+        kw = min(block_k, n_keys - k0)
+        status = mask_tile_status(program, pos0, pos0 + width - 1, k0, k0 + kw - 1)
+        if status == TILE_FULL:
+            continue
+        # Gather the tile's keys and values through the page table (each key's page and
+        # slot found once), asking for the rows GATHER_PREFETCH_KEYS keys ahead.
+        pages = key_rows[0]
+        slots = key_rows[1]
+        for j in range(kw):
+            pages[j], slots[j] = kv_page_slot(lookup_table, page_size, row_base, b, k0 + j)
+        for j in range(min(GATHER_PREFETCH_KEYS, kw)):
+            prefetch_head(k_blocks, pages[j], slots[j], kv_head)
+            prefetch_head(v_blocks, pages[j], slots[j], kv_head)
+        v_finite = True
+        for j in range(kw):
+            ahead = j + GATHER_PREFETCH_KEYS
+            if ahead < kw:
+                prefetch_head(k_blocks, pages[ahead], slots[ahead], kv_head)
+                prefetch_head(v_blocks, pages[ahead], slots[ahead], kv_head)
+            page = pages[j]
+            slot = slots[j]
+            for d in range(head_dim):
+                k_tile[j * head_dim + d] = k_blocks[page, slot, kv_head, d]
+            for d in range(head_dim):
+                x = v_blocks[page, slot, kv_head, d]
+                v_tile[j * head_dim + d] = x
+                v_finite &= x - x == zero  # NaN for NaN and inf
+        if status == TILE_NONE and not has_additive:
+            _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible,
+                       k_tile, v_tile, head_dim, v_finite, first, width, first, kw,
+                       not elementwise, pos0, k0, group, program, has_additive, additive, bm,
+                       kv_head, row0)
+            continue
+        # Partially masked: blocks of sub_q positions, each trimmed to the keys it sees;
+        # consecutive unmasked blocks run as one taller step.
+        run0 = first - 1
+        for r0 in range(0, width + sub_q, sub_q):
+            r1 = min(r0 + sub_q, width)
+            sub = TILE_FULL
+            if r0 < width:
+                sub = mask_tile_status(program, pos0 + r0, pos0 + r1 - 1, k0, k0 + kw - 1)
+                if sub == TILE_NONE and not has_additive:
+                    run0 = r0 if run0 < 0 else run0
+                    continue
+            if run0 >= 0:  # flush the unmasked run [run0, r0)
+                _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha,
+                           visible, k_tile, v_tile, head_dim, v_finite, run0,
+                           min(r0, width), first, kw, not elementwise, pos0, k0, group,
+                           program, has_additive, additive, bm, kv_head, row0)
+                run0 = first - 1
+            if sub == TILE_FULL:
+                continue
+            ka, kb = _key_extent(program, pos0 + r0, pos0 + r1 - 1, k0, kw)
+            _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible,
+                       k_tile, v_tile, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0,
+                       k0, group, program, has_additive, additive, bm, kv_head, row0)
+    for r in range(width):
+        for hl in range(group):
+            h = h0 + hl
+            i = r * group + hl
+            sink = sinks[h] if has_sink else sinks[0]
+            out_scale, row_lse = finish_row(m_run[i], l_run[i], sink, has_sink)
+            for d in range(head_dim):
+                out[q_base + r, h, d] = acc_buf[i * head_dim + d] * out_scale
+            if want_lse:
+                lse[q_base + r, h] = row_lse

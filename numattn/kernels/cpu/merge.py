@@ -1,0 +1,21 @@
+"""The CPU kernel of ``merge_states``: rows merged in parallel with the shared merge body."""
+
+from __future__ import annotations
+
+from ...core.jit import cpu_jit, prange
+from ..shared.softmax import merge_row
+
+#: Merges of up to this many partial-output elements run on the calling thread: waking the
+#: worker threads costs more than it saves on such work.
+SERIAL_ELEMENTS = 2**18
+
+
+def run_merge_cpu(part_out, part_lse, out, lse):
+    """Merge ``part_out [P, R, D]`` / ``part_lse [P, R]`` into ``out [R, D]``, ``lse [R]``."""
+    parallel = part_out.size > SERIAL_ELEMENTS
+    cpu_jit(_merge_kernel, parallel=parallel)(part_out, part_lse, out, lse)
+
+
+def _merge_kernel(part_out, part_lse, out, lse):
+    for r in prange(part_lse.shape[1]):
+        merge_row(part_out, part_lse, r, out, lse)

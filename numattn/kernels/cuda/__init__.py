@@ -1,0 +1,1 @@
+"""CUDA drivers and kernels (numba-cuda; imported only when CUDA is used)."""

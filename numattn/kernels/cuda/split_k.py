@@ -1,0 +1,266 @@
+"""Split-K decode on CUDA.
+
+One block per (partition, KV head, sequence); threads split each tile's keys and the head
+dimension, with shared-memory reductions for the dot products and the tile max and sum; then
+a reduction kernel with one block per (sequence, head), threads over D.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...core.device import is_device_array, require_cuda
+from ...core.jit import cuda, cuda_kernel
+from ...core.masks import TILE_FULL, TILE_NONE
+from ...core.validate import shape_of
+from ..shared.masks import key_bias, key_hidden, mask_tile_status, mask_visible
+from ..shared.paging import kv_page_slot
+from ..shared.partitions import partition_bounds, partition_count
+from ..shared.softmax import exp_diff, max_nan, reduce_row, rescale_state
+
+#: CUDA: threads that split the head dimension of one key's dot product (the rest of the
+#: block's threads take different keys), and the largest key tile one block holds.
+CUDA_DOT_LANES = 8
+CUDA_MAX_TILE = 1024
+#: CUDA: dynamic shared memory one block may use without an opt-in.
+CUDA_SHARED_BYTES = 48 * 1024
+
+
+def run_decode_cuda(q, args, num_partitions, out):
+    cuda = require_cuda()
+    layout = args.layout
+    batch, num_heads, head_dim = shape_of(q)
+    dtype = np.dtype(q.dtype)
+    on_device = is_device_array(q) or (out is not None and is_device_array(out))
+    if batch > 65535:
+        raise ValueError(f"device='cuda' supports at most 65535 sequences, got {batch}")
+
+    def to_device(x):
+        if not is_device_array(x):
+            return cuda.to_device(np.ascontiguousarray(x))
+        # Numba's own device arrays (and the simulator's) are used as they are; others
+        # (CuPy, PyTorch, ...) are wrapped without a copy.
+        return x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x)
+
+    if out is not None and is_device_array(out):
+        d_out = to_device(out)
+    else:
+        d_out = cuda.device_array((batch, num_heads, head_dim), dtype)
+    if not (batch and num_heads):
+        d_lse = cuda.device_array((batch, num_heads), dtype)
+    else:
+        config = args.config
+        block_k = config.block_k
+        threads = config.threads_per_block
+        tile = min(block_k, CUDA_MAX_TILE)
+        group = num_heads // layout.num_kv_heads
+        per_head = (tile + threads + 1) * dtype.itemsize
+        # at most one head per thread: the kernel's per-head steps run on threads 0 .. gn-1
+        heads_per_pass = max(1, min(group, threads, CUDA_SHARED_BYTES // per_head))
+        parts = partition_count(num_partitions, args.max_keys, batch * layout.num_kv_heads,
+                                 block_k, _multiprocessors(cuda))
+        # Few transfers and allocations per call: the small host arrays travel packed by
+        # dtype, and the partial states and lse share one allocation.
+        table, row_base, num_keys, program = _packed_to_device(
+            cuda, [layout.lookup_table, layout.row_base, layout.num_keys, args.program],
+            np.int64)
+        floats = [args.sinks] + ([] if is_device_array(args.additive) else [args.additive])
+        sinks, *additive = _packed_to_device(cuda, floats, dtype)
+        additive = additive[0] if additive else args.additive
+        part_m, part_l, part_acc, d_lse = _split(
+            cuda.device_array(batch * num_heads * (parts * (head_dim + 2) + 1), dtype),
+            [(batch, parts, num_heads), (batch, parts, num_heads),
+             (batch, parts, num_heads, head_dim), (batch, num_heads)])
+        grid = (parts, layout.num_kv_heads, batch)
+        cuda_kernel(_decode_partitions_cuda)[grid, threads, 0, heads_per_pass * per_head](
+            to_device(q), to_device(layout.k_blocks), to_device(layout.v_blocks),
+            layout.page_size, table, row_base, num_keys, program, additive,
+            args.has_additive, args.scale, block_k, tile, heads_per_pass, part_m, part_l,
+            part_acc,
+        )
+        cuda_kernel(_decode_reduce_cuda)[batch * num_heads, threads](
+            part_m, part_l, part_acc, sinks, args.has_sink, d_out, d_lse
+        )
+    if on_device:
+        return d_out, d_lse
+    result = d_out.copy_to_host(out) if out is not None else d_out.copy_to_host()
+    return result, d_lse.copy_to_host()
+
+
+def _packed_to_device(cuda, arrays, dtype):
+    """Copy small host arrays to the device in one transfer; returns a view of each."""
+    flat = np.concatenate([np.ravel(x).astype(dtype, copy=False) for x in arrays])
+    return _split(cuda.to_device(flat), [x.shape for x in arrays])
+
+
+def _split(flat, shapes):
+    """C-contiguous views of consecutive pieces of a 1-d (device) array."""
+    views = []
+    start = 0
+    for shape in shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        views.append(flat[start:start + size].reshape(shape))
+        start += size
+    return views
+
+
+def _multiprocessors(cuda):
+    try:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    except Exception:  # the simulator's fake device may not say
+        return 1
+
+
+
+def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_base,
+                            num_keys, program, additive, has_additive, scale, block_k, tile,
+                            heads_per_pass, part_m, part_l, part_acc):
+    """One block per (partition, KV head, sequence); ``tile`` keys at a time.
+
+    Dynamic shared memory holds, per head of a pass, the tile's scores (then weights)
+    ``[tile]``, a reduction buffer ``[threads]`` and the tile's rescale factor.  Threads
+    ``(key_slot, lane)`` compute dot products with ``CUDA_DOT_LANES`` lanes over D (coalesced
+    rows), then threads over (head, d) accumulate the weighted V rows.
+    """
+    part = cuda.blockIdx.x
+    j = cuda.blockIdx.y
+    b = cuda.blockIdx.z
+    num_partitions = cuda.gridDim.x
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    num_heads = q.shape[1]
+    head_dim = q.shape[2]
+    group = num_heads // k_blocks.shape[2]
+    lane = tid % CUDA_DOT_LANES
+    key_slot = tid // CUDA_DOT_LANES
+    key_slots = threads // CUDA_DOT_LANES
+    zero = scale - scale
+    shared = cuda.shared.array(0, dtype=q.dtype)
+    red = heads_per_pass * tile
+    alphas = red + heads_per_pass * threads
+    q_idx = num_keys[b] - 1
+    start, end = partition_bounds(num_keys[b], part, num_partitions, block_k)
+    for g0 in range(0, group, heads_per_pass):
+        gn = min(heads_per_pass, group - g0)
+        h0 = j * group + g0
+        for idx in range(tid, gn * head_dim, threads):
+            part_acc[b, part, h0 + idx // head_dim, idx % head_dim] = zero
+        if tid < gn:
+            part_m[b, part, h0 + tid] = -math.inf
+            part_l[b, part, h0 + tid] = zero
+        cuda.syncthreads()
+        for k0 in range(start, end, tile):
+            k1 = min(k0 + tile, end)
+            status = mask_tile_status(program, q_idx, q_idx, k0, k1 - 1)
+            if status == TILE_FULL:
+                continue
+            n = k1 - k0
+            # Scores, key_slots keys per round: lanes sum a slice of D each ...
+            for r0 in range(0, n, key_slots):
+                t = k0 + r0 + key_slot
+                if r0 + key_slot < n:
+                    page, slot = kv_page_slot(lookup_table, page_size, row_base, b, t)
+                    for g in range(gn):
+                        dot = zero
+                        for d in range(lane, head_dim, CUDA_DOT_LANES):
+                            dot += q[b, h0 + g, d] * k_blocks[page, slot, j, d]
+                        shared[red + g * threads + tid] = dot
+                cuda.syncthreads()
+                # ... and one thread per (head, key) adds the lanes and applies the mask.
+                for idx in range(tid, gn * key_slots, threads):
+                    g = idx // key_slots
+                    ks = idx % key_slots
+                    i = r0 + ks
+                    if i < n:
+                        s = -math.inf
+                        if status == TILE_NONE or mask_visible(program, q_idx, k0 + i):
+                            bias = zero
+                            if has_additive:
+                                bias = key_bias(additive, b, h0 + g, 0, k0 + i)
+                            if bias != -math.inf:
+                                dot = zero
+                                base = red + g * threads + ks * CUDA_DOT_LANES
+                                for ln in range(CUDA_DOT_LANES):
+                                    dot += shared[base + ln]
+                                s = dot * scale + bias
+                        shared[g * tile + i] = s
+                cuda.syncthreads()
+            # Tile max per head (tree reduction), then rescale the state.
+            for g in range(gn):
+                best = -math.inf
+                for i in range(tid, n, threads):
+                    best = max_nan(best, shared[g * tile + i])
+                shared[red + g * threads + tid] = best
+            cuda.syncthreads()
+            stride = threads // 2
+            while stride > 0:
+                if tid < stride:
+                    for g in range(gn):
+                        a = shared[red + g * threads + tid]
+                        other = shared[red + g * threads + tid + stride]
+                        shared[red + g * threads + tid] = max_nan(a, other)
+                cuda.syncthreads()
+                stride //= 2
+            if tid < gn:
+                h = h0 + tid
+                m_new, l_scaled, alpha = rescale_state(
+                    part_m[b, part, h], part_l[b, part, h], shared[red + tid * threads]
+                )
+                part_m[b, part, h0 + tid] = m_new
+                part_l[b, part, h0 + tid] = l_scaled
+                shared[alphas + tid] = alpha
+            cuda.syncthreads()
+            # Weights of the tile's keys and their sum per head (tree reduction).
+            for g in range(gn):
+                m_new = part_m[b, part, h0 + g]
+                total = zero
+                for i in range(tid, n, threads):
+                    p = exp_diff(shared[g * tile + i], m_new)
+                    shared[g * tile + i] = p
+                    total += p
+                shared[red + g * threads + tid] = total
+            cuda.syncthreads()
+            stride = threads // 2
+            while stride > 0:
+                if tid < stride:
+                    for g in range(gn):
+                        shared[red + g * threads + tid] += shared[red + g * threads + tid + stride]
+                cuda.syncthreads()
+                stride //= 2
+            if tid < gn:
+                part_l[b, part, h0 + tid] += shared[red + tid * threads]
+            # Output: threads over (head, d) add the weighted V rows of the tile.
+            for idx in range(tid, gn * head_dim, threads):
+                g = idx // head_dim
+                d = idx % head_dim
+                total = zero
+                # walk the tile's slots page by page (no division per key)
+                row = row_base[b] + k0
+                page_idx = row // page_size
+                slot = row - page_idx * page_size
+                page = lookup_table[b, page_idx]
+                for i in range(n):
+                    p = shared[g * tile + i]
+                    # a weight of 0 is a hidden key (left out: its slot may hold NaN) or
+                    # a visible one whose weight underflowed (0 * V: NaN propagates)
+                    if p != 0 or not key_hidden(program, status, q_idx, has_additive,
+                                                additive, b, h0 + g, k0 + i):
+                        total += p * v_blocks[page, slot, j, d]
+                    slot += 1
+                    if slot == page_size and i + 1 < n:
+                        slot = 0
+                        page_idx += 1
+                        page = lookup_table[b, page_idx]
+                acc = part_acc[b, part, h0 + g, d]
+                part_acc[b, part, h0 + g, d] = acc * shared[alphas + g] + total
+            cuda.syncthreads()
+
+
+def _decode_reduce_cuda(part_m, part_l, part_acc, sinks, has_sink, out, lse):
+    """One block per (sequence, head) row, threads over the head dimension."""
+    num_heads = part_m.shape[2]
+    row = cuda.blockIdx.x
+    reduce_row(part_m, part_l, part_acc, sinks, has_sink, row // num_heads, row % num_heads,
+               cuda.threadIdx.x, cuda.blockDim.x, out, lse)

@@ -1,0 +1,1 @@
+"""Plain-Python bodies compiled for the CPU (Numba) and CUDA (numba-cuda) alike."""

@@ -1,0 +1,1 @@
+"""Command-line tools: ``check``, ``bench`` and ``demo`` (``python -m numattn``)."""

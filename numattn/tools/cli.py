@@ -1,0 +1,108 @@
+"""Command line: ``python -m numattn {check,bench,demo}`` (also the ``numattn`` script).
+
+Each command imports its tool only when it runs, so ``numattn --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def at_least(minimum):
+    """An argparse type: an integer >= ``minimum`` (the command line's and the benchmark
+    scripts' counts of runs, threads and sizes)."""
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _demo(args) -> int:
+    from .demo import run_demo
+
+    def progress(step, total):
+        if sys.stderr.isatty():
+            bar = "#" * (30 * step // total)
+            print(f"\rgenerating [{bar:<30}] {step}/{total}", end="", file=sys.stderr,
+                  flush=True)
+            if step == total:
+                print(file=sys.stderr)
+
+    result = run_demo(batch=args.batch, new_tokens=args.new_tokens, seed=args.seed,
+                      check=not args.no_check, progress=progress)
+    print(f"prompts: {len(result.prompt_lengths)} sequences of {result.prompt_lengths} tokens, "
+          "prefilled into a paged KV cache with flash_attention_kv_cache")
+    print(f"prefill: {result.prefill_seconds * 1e3:.1f} ms (a first call in a process compiles "
+          "the kernels or loads them from the disk cache)")
+    print(f"decode:  {result.generated.shape[1]} tokens per sequence with decode_attention, "
+          f"{result.tokens_per_second:.1f} tokens/s (steps after the first)")
+    for b, ids in enumerate(result.generated):
+        print(f"  sequence {b}: {' '.join(str(int(t)) for t in ids[:16])}"
+              f"{' ...' if ids.size > 16 else ''}")
+    if args.no_check:
+        print("reference check skipped (--no-check)")
+        return 0
+    ok = result.max_error <= 2e-4
+    print(f"largest error against numattn.reference over {result.attention_calls} attention "
+          f"calls: {result.max_error:.2e} ({'PASS' if ok else 'FAIL'}, tolerance 2e-04)")
+    return 0 if ok else 1
+
+
+def _check(args) -> int:
+    from .check import main
+
+    return main(args)
+
+
+def _bench(args) -> int:
+    from .bench import main
+
+    return main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="numattn",
+        description="numattn: attention kernels for NumPy (CPU, optional CUDA).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    check = sub.add_parser("check", help="compare every operation and backend with the reference")
+    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--cpu-only", action="store_true", help="skip the CUDA backend")
+    check.set_defaults(func=_check)
+
+    bench = sub.add_parser("bench", help="time the benchmark shapes against the machine's limits")
+    bench.add_argument("--quick", action="store_true", help="small shapes, under a minute")
+    bench.add_argument("--only", action="append", default=None,
+                       help="run only cases whose name contains this (repeatable)")
+    bench.add_argument("--repeat", type=at_least(1), default=None, help="timed runs per case")
+    bench.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw the figures (needs matplotlib)")
+    bench.set_defaults(func=_bench)
+
+    demo = sub.add_parser("demo", help="prefill + generate with a toy GPT and a paged KV cache")
+    demo.add_argument("--batch", type=at_least(1), default=4)
+    demo.add_argument("--new-tokens", type=at_least(2), default=32,
+                      help="tokens to generate per sequence (the rate counts steps after the "
+                           "first)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-check", action="store_true", help="skip the reference comparison")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
