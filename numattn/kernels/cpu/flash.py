@@ -37,7 +37,7 @@ from ...core.masks import TILE_FULL, TILE_NONE, TILE_PARTIAL
 from ...core.validate import row_counts
 from ..shared.masks import add_bias, mask_tile_status, mask_visible, visible_span
 from ..shared.paging import kv_page_slot
-from ..shared.softmax import finish_row
+from ..shared.softmax import accumulate, finish_row
 from .schedule import zigzag_schedule
 from .simd import prefetch_head
 from .softmax import softmax_tile
@@ -326,9 +326,11 @@ def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible, k_ti
                has_additive, additive, bm, kv_head, row0):
     """One online-softmax step of query positions ``[r0, r1)`` over tile keys ``[ka, kb)``.
 
-    ``S = Q K^T`` and ``acc = alpha acc + P V`` are two BLAS GEMMs on contiguous views of
-    the stacked rows ``[r0 * group, r1 * group)``; ``elementwise`` applies the mask (and the
-    additive tensor) pair by pair in between.
+    ``S = Q K^T`` and ``P V`` are two BLAS GEMMs on contiguous views of the stacked rows
+    ``[r0 * group, r1 * group)``; ``elementwise`` applies the mask (and the additive tensor)
+    pair by pair in between.  The state moves as every tile loop's does
+    (:mod:`numattn.kernels.shared.softmax`): :func:`.softmax.softmax_tile` turns ``S`` into
+    ``P`` and updates ``m`` and ``l``, then ``acc = alpha acc + P V`` (:func:`accumulate`).
     """
     i0 = r0 * group
     rows = (r1 - r0) * group
@@ -377,7 +379,7 @@ def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible, k_ti
     for i in range(rows):
         a = alpha_rows[i]
         for d in range(head_dim):
-            acc[i, d] = acc[i, d] * a + pv[i, d]
+            acc[i, d] = accumulate(acc[i, d], a, pv[i, d])
 
 
 @body

@@ -1,9 +1,10 @@
-"""The CPU kernel of ``merge_states``: rows merged in parallel with the shared merge body."""
+"""The CPU kernel of ``merge_states``: rows merged in parallel with the shared merge body
+(:func:`numattn.kernels.shared.softmax.merge_partials`)."""
 
 from __future__ import annotations
 
 from ...core.jit import cpu_jit, prange
-from ..shared.softmax import merge_row
+from ..shared.softmax import merge_partials
 
 #: Merges of up to this many partial-output elements run on the calling thread: waking the
 #: worker threads costs more than it saves on such work.
@@ -17,5 +18,7 @@ def run_merge_cpu(part_out, part_lse, out, lse):
 
 
 def _merge_kernel(part_out, part_lse, out, lse):
+    # finished parts (lse_p, out_p): states (lse_p, 1, out_p), without a sink
     for r in prange(part_lse.shape[1]):
-        merge_row(part_out, part_lse, r, out, lse)
+        lse[r] = merge_partials(part_lse, part_lse, part_out, r, True, part_lse[0, r], False,
+                                0, 1, out[r])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from ...core.jit import body
+from ..shared.softmax import accumulate, rescale_factor
 from .simd import exp_row, row_max
 
 
@@ -12,25 +13,31 @@ from .simd import exp_row, row_max
 def softmax_tile(scores, m_run, l_run, alpha):
     """Online-softmax step of a tile of scores (CPU only), vectorised: ``scores`` become ``P``.
 
-    For each row: ``m_new = max(m_run, max_j s_j)``, ``p_j = e^(s_j - m_new)``,
-    ``alpha = e^(m_run - m_new)`` and ``l_run = alpha l_run + sum_j p_j``: the row's maximum
-    (NaN if it holds one) by :func:`.simd.row_max`, then ``p`` and its sum by
-    :func:`.simd.exp_row` (Cephes' ``expf`` or ``exp`` in vectors of sixteen lanes:
-    ``e^x`` is exactly 0 below the dtype's range, so for ``-inf``, and NaN propagates).
+    For each row, the steps of :mod:`numattn.kernels.shared.softmax`: the row's maximum (NaN
+    if it holds one) by :func:`.simd.row_max`, ``m_new`` and ``alpha`` by
+    :func:`~numattn.kernels.shared.softmax.rescale_factor`, then every key's weight
+    ``p_j = e^(s_j - m_new)`` and their sum by :func:`.simd.exp_row` (Cephes' ``expf`` or
+    ``exp`` in vectors of sixteen lanes: ``e^x`` is exactly 0 below the dtype's range, so
+    for ``-inf``, and NaN propagates), and ``l_run`` by
+    :func:`~numattn.kernels.shared.softmax.accumulate`.  A row with nothing visible yet is
+    left as it is (``alpha = 1``, ``p = 0``).  The caller rescales ``acc`` by ``alpha``.
+
+    CPU only because the row's maximum and weights are explicit LLVM vector code
+    (:mod:`.simd`), which has no CUDA counterpart: on CUDA the threads of a block share a
+    tile's keys, and the same steps run per key with shared-memory reductions
+    (:mod:`numattn.kernels.cuda.split_k`, :mod:`numattn.kernels.cuda.flash`).
     """
     kw = scores.shape[1]
     for i in range(scores.shape[0]):
         row = scores[i]
-        tile_max = row_max(row, kw)
         m_old = m_run[i]
-        m_new = m_old if m_old >= tile_max else tile_max
+        m_new, a = rescale_factor(m_old, row_max(row, kw))
         if m_new == -math.inf:  # nothing visible yet
             for j in range(kw):
                 row[j] = 0
             alpha[i] = 1
             continue
         total = exp_row(row, kw, m_new)
-        a = math.exp(m_old - m_new)
         alpha[i] = a
         m_run[i] = m_new
-        l_run[i] = l_run[i] * a + total
+        l_run[i] = accumulate(l_run[i], a, total)

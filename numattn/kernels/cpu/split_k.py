@@ -5,7 +5,7 @@ The keys of each sequence are cut into partitions aligned to ``block_k``
 one work item over *all* KV heads, so each token's contiguous ``[Hkv, D]`` K and V row is
 read in one sweep, and one item computes a partial softmax state ``(m, l, acc)`` per state
 row.  A reduction then merges the partitions of each row exactly and closes it with the sink
-logit counted once (:func:`numattn.kernels.shared.softmax.reduce_row`).  Per tile of keys: a
+logit counted once (:func:`numattn.kernels.shared.softmax.merge_partials`).  Per tile of keys: a
 tile the mask hides entirely is skipped without loading a row, a tile it leaves whole needs
 no per-key test.
 
@@ -25,7 +25,7 @@ from ...core.validate import row_counts, shape_of
 from ..shared.masks import key_bias, mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
 from ..shared.partitions import MIN_TILES_PER_PARTITION, partition_bounds, partition_count
-from ..shared.softmax import reduce_row
+from ..shared.softmax import merge_partials
 from . import simd
 from .schedule import zigzag_schedule
 from .simd import (
@@ -335,6 +335,8 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
                             hidden[r, i] = not seen[s, i] or bias == -math.inf
                             scores[r, i] = -math.inf if hidden[r, i] else scores[r, i] + bias
                 softmax_tile(scores, m, l, alpha)
+                # acc's share of accumulate(acc, alpha, P V): rescaled here, the weighted V
+                # rows added by the explicit vector code of _tile_values
                 for r in range(num_rows):
                     a = alpha[r]
                     if a != 1:
@@ -530,7 +532,11 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, pre
 
 
 def _decode_reduce_cpu(part_m, part_l, part_acc, sinks, has_sink, out, lse):
+    """Merge the partitions of every state row ``(b, h)`` of ``part_* [B, P, R(, D)]`` and
+    finish it (:func:`.merge_partials`): ``out[b, h]``, ``lse[b, h]``."""
     num_heads = part_m.shape[2]
     for row in prange(part_m.shape[0] * num_heads):
-        reduce_row(part_m, part_l, part_acc, sinks, has_sink, row // num_heads,
-                   row % num_heads, 0, 1, out, lse)
+        b = row // num_heads
+        h = row % num_heads
+        lse[b, h] = merge_partials(part_m[b], part_l[b], part_acc[b], h, False, sinks[h],
+                                   has_sink, 0, 1, out[b, h])

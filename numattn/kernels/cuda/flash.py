@@ -21,7 +21,7 @@ from ...core.masks import TILE_FULL, TILE_NONE
 from ...core.validate import dtype_of, row_counts, shape_of
 from ..shared.masks import mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
-from ..shared.softmax import exp_diff, finish_row
+from ..shared.softmax import accumulate, finish_row, key_weight, max_nan, rescale_factor
 
 #: Largest number of (query row, query head) pairs that a CUDA block serves.
 MAX_ROW_HEADS = 32
@@ -131,6 +131,10 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
     (int64) and, per row-head, the keys' scores, then their probabilities (``-inf`` marks a
     hidden key, whose V is never read), and the running max, sum and rescale factor.  The
     running output accumulates in ``out`` itself (each element has one owner thread).
+    Per tile, the steps of :mod:`numattn.kernels.shared.softmax`: the scores
+    (:func:`_tile_scores_cuda`), the running max and rescale factor
+    (:func:`_tile_rescale_cuda`), the keys' weights (:func:`_tile_weights_cuda`), then ``l``
+    and ``acc`` (:func:`_tile_values_cuda`); at the end :func:`_finish_rows_cuda`.
     """
     b = tile_seq[cuda.blockIdx.x]
     r0 = tile_row0[cuda.blockIdx.x]
@@ -140,11 +144,7 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
     token0 = q_offsets[b] + r0
     rows = min(rows_per_block, q_offsets[b + 1] - token0)
     width = rows * heads_per_block
-    kv_head = h0 // group
     n = num_keys[b]
-    head_dim = q.shape[2]
-    mask_b = b if additive.shape[0] > 1 else 0
-    per_head_mask = additive.shape[1] > 1
     zero = scale - scale  # 0 in the kernel's float type (float literals would be float64)
 
     key_row = cuda.shared.array(0, dtype=row_base.dtype)
@@ -167,81 +167,139 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
         status = mask_tile_status(program, r0, r0 + rows - 1, k0, k_last)
         if status == TILE_FULL:
             continue
-        # 1. Scores: threads over the tile's keys; each K row serves all the row-heads.
-        for j in range(tid, block_k, num_threads):
-            key = k0 + j
-            row = -1
-            if key <= k_last:
-                page, slot = kv_page_slot(lookup_table, page_size, row_base, b, key)
-                row = page * page_size + slot
-                key_row[j] = row
-            for lr in range(rows):
-                r = r0 + lr
-                visible = key <= k_last
-                if visible and status != TILE_NONE:
-                    visible = mask_visible(program, r, key)
-                for hl in range(heads_per_block):
-                    i = lr * heads_per_block + hl
-                    h = h0 + hl
-                    bias = zero
-                    if visible and has_additive:  # -inf hides the key, whatever it holds
-                        bias = additive[mask_b, h if per_head_mask else 0, r, key]
-                    if visible and bias != -math.inf:
-                        dot = zero
-                        for d in range(head_dim):
-                            dot += q[token0 + lr, h, d] * k_rows[row, kv_head, d]
-                        scores[i * block_k + j] = dot * scale + bias
-                    else:
-                        scores[i * block_k + j] = -math.inf
+        _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, program, additive,
+                          has_additive, scale, b, token0, r0, rows, h0, heads_per_block,
+                          group, block_k, k0, k_last, status, key_row, scores)
         cuda.syncthreads()
-        # 2. The tile's max per row-head, and the factor that rescales the running state.
-        for i in range(tid, width, num_threads):
-            m_old = row_max[i]
-            m_new = m_old
-            for j in range(k_last - k0 + 1):
-                s = scores[i * block_k + j]
-                if s > m_new or s != s:
-                    m_new = s
-                    if s != s:
-                        break  # NaN propagates
-            rescale[i] = exp_diff(m_old, m_new)
-            row_max[i] = m_new
+        _tile_rescale_cuda(scores, row_max, rescale, width, block_k, k_last - k0 + 1)
         cuda.syncthreads()
-        # 3. Probabilities; hidden keys stay -inf.  A visible key whose score is -inf (inf
-        # in q or K) gets weight 0: 0 * V still counts, so NaN in its V row propagates.
-        for idx in range(tid, width * block_k, num_threads):
-            s = scores[idx]
-            i = idx // block_k
-            mask_h = h0 + i % heads_per_block if per_head_mask else 0
-            if s != -math.inf or _visible_key(program, status, additive, has_additive, mask_b,
-                                              mask_h, r0 + i // heads_per_block,
-                                              k0 + idx % block_k, k_last):
-                scores[idx] = exp_diff(s, row_max[i])
+        _tile_weights_cuda(program, additive, has_additive, b, r0, h0, heads_per_block, width,
+                           block_k, k0, k_last, status, row_max, scores)
         cuda.syncthreads()
-        # 4. Running sums, and P @ V with threads over row-heads x head dim.
-        for i in range(tid, width, num_threads):
-            tile_sum = zero
-            for j in range(k_last - k0 + 1):
-                p = scores[i * block_k + j]
-                if p != -math.inf:
-                    tile_sum += p
-            row_sum[i] = row_sum[i] * rescale[i] + tile_sum
-        for idx in range(tid, width * head_dim, num_threads):
-            i = idx // head_dim
-            d = idx - i * head_dim
-            token, h = _row_head_of(i, heads_per_block, token0, h0)
-            acc = zero
-            if started:
-                acc = out[token, h, d] * rescale[i]
-            for j in range(k_last - k0 + 1):
-                p = scores[i * block_k + j]
-                if p != -math.inf:
-                    acc += p * v_rows[key_row[j], kv_head, d]
-            out[token, h, d] = acc
+        _tile_values_cuda(v_rows, key_row, scores, rescale, token0, h0, heads_per_block, group,
+                          width, block_k, k_last - k0 + 1, started, zero, row_sum, out)
         started = True
         cuda.syncthreads()
+    _finish_rows_cuda(row_max, row_sum, rescale, token0, h0, heads_per_block, width, started,
+                      zero, out, lse, write_lse)
 
-    # Finish: out = acc / l (0 for a row with no visible key), lse = m + log(l).
+
+@body
+def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, program, additive,
+                      has_additive, scale, b, token0, r0, rows, h0, heads_per_block, group,
+                      block_k, k0, k_last, status, key_row, scores):
+    """``scores[i * block_k + j]``: the score of key ``k0 + j`` for row-head ``i`` (``-inf``
+    where the mask or the additive tensor hides it) and ``key_row[j]``: its cache row.
+
+    Threads over the tile's keys: each K row is loaded once for all the row-heads.
+    """
+    tid = cuda.threadIdx.x
+    num_threads = cuda.blockDim.x
+    head_dim = q.shape[2]
+    kv_head = h0 // group
+    mask_b = b if additive.shape[0] > 1 else 0
+    per_head_mask = additive.shape[1] > 1
+    zero = scale - scale
+    for j in range(tid, block_k, num_threads):
+        key = k0 + j
+        row = -1
+        if key <= k_last:
+            page, slot = kv_page_slot(lookup_table, page_size, row_base, b, key)
+            row = page * page_size + slot
+            key_row[j] = row
+        for lr in range(rows):
+            r = r0 + lr
+            visible = key <= k_last
+            if visible and status != TILE_NONE:
+                visible = mask_visible(program, r, key)
+            for hl in range(heads_per_block):
+                i = lr * heads_per_block + hl
+                h = h0 + hl
+                bias = zero
+                if visible and has_additive:  # -inf hides the key, whatever it holds
+                    bias = additive[mask_b, h if per_head_mask else 0, r, key]
+                if visible and bias != -math.inf:
+                    dot = zero
+                    for d in range(head_dim):
+                        dot += q[token0 + lr, h, d] * k_rows[row, kv_head, d]
+                    scores[i * block_k + j] = dot * scale + bias
+                else:
+                    scores[i * block_k + j] = -math.inf
+
+
+@body
+def _tile_rescale_cuda(scores, row_max, rescale, width, block_k, num_keys):
+    """Running max: each row-head's largest score of the tile (the first ``num_keys`` of
+    its ``block_k``), then ``row_max[i]`` and its rescale factor ``rescale[i]``
+    (:func:`.rescale_factor`); threads over row-heads."""
+    for i in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+        tile_max = scores[i * block_k]
+        for j in range(1, num_keys):
+            tile_max = max_nan(tile_max, scores[i * block_k + j])
+            if tile_max != tile_max:
+                break  # NaN propagates
+        m_new, alpha = rescale_factor(row_max[i], tile_max)
+        row_max[i] = m_new
+        rescale[i] = alpha
+
+
+@body
+def _tile_weights_cuda(program, additive, has_additive, b, r0, h0, heads_per_block, width,
+                       block_k, k0, k_last, status, row_max, scores):
+    """Scores become the keys' weights (:func:`.key_weight`); hidden keys stay ``-inf``.
+
+    A visible key whose score is ``-inf`` (inf in q or K) gets weight 0: ``0 * V`` still
+    counts, so NaN in its V row propagates.  Threads over (row-head, key).
+    """
+    mask_b = b if additive.shape[0] > 1 else 0
+    per_head_mask = additive.shape[1] > 1
+    for idx in range(cuda.threadIdx.x, width * block_k, cuda.blockDim.x):
+        s = scores[idx]
+        i = idx // block_k
+        mask_h = h0 + i % heads_per_block if per_head_mask else 0
+        if s != -math.inf or _visible_key(program, status, additive, has_additive, mask_b,
+                                          mask_h, r0 + i // heads_per_block,
+                                          k0 + idx % block_k, k_last):
+            scores[idx] = key_weight(s, row_max[i])
+
+
+@body
+def _tile_values_cuda(v_rows, key_row, weights, rescale, token0, h0, heads_per_block, group,
+                      width, block_k, num_keys, started, zero, row_sum, out):
+    """``l`` (``row_sum``) and ``acc`` (``out``) take the tile's weights and weighted V rows
+    (:func:`.accumulate`; ``acc`` starts at the first tile); threads over row-heads, then
+    over row-heads x head dimension."""
+    tid = cuda.threadIdx.x
+    num_threads = cuda.blockDim.x
+    head_dim = out.shape[2]
+    kv_head = h0 // group
+    for i in range(tid, width, num_threads):
+        tile_sum = zero
+        for j in range(num_keys):
+            p = weights[i * block_k + j]
+            if p != -math.inf:
+                tile_sum += p
+        row_sum[i] = accumulate(row_sum[i], rescale[i], tile_sum)
+    for idx in range(tid, width * head_dim, num_threads):
+        i = idx // head_dim
+        d = idx - i * head_dim
+        token, h = _row_head_of(i, heads_per_block, token0, h0)
+        total = zero
+        for j in range(num_keys):
+            p = weights[i * block_k + j]
+            if p != -math.inf:
+                total += p * v_rows[key_row[j], kv_head, d]
+        out[token, h, d] = accumulate(out[token, h, d], rescale[i], total) if started else total
+
+
+@body
+def _finish_rows_cuda(row_max, row_sum, rescale, token0, h0, heads_per_block, width, started,
+                      zero, out, lse, write_lse):
+    """Finish the rows (:func:`.finish_row`): ``out = acc / l`` (0 for a row with no visible
+    key), ``lse = m + log(l)``; the row's factor goes through ``rescale``."""
+    tid = cuda.threadIdx.x
+    num_threads = cuda.blockDim.x
+    head_dim = out.shape[2]
     for i in range(tid, width, num_threads):
         out_scale, row_lse = finish_row(row_max[i], row_sum[i], zero, False)
         rescale[i] = out_scale

@@ -12,13 +12,19 @@ import math
 import numpy as np
 
 from ...core.device import is_device_array, require_cuda
-from ...core.jit import cuda, cuda_kernel
+from ...core.jit import body, cuda, cuda_kernel
 from ...core.masks import TILE_FULL, TILE_NONE
 from ...core.validate import shape_of
 from ..shared.masks import key_bias, key_hidden, mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
 from ..shared.partitions import partition_bounds, partition_count
-from ..shared.softmax import exp_diff, max_nan, reduce_row, rescale_state
+from ..shared.softmax import (
+    accumulate,
+    key_weight,
+    max_nan,
+    merge_partials,
+    rescale_factor,
+)
 
 #: CUDA: threads that split the head dimension of one key's dot product (the rest of the
 #: block's threads take different keys), and the largest key tile one block holds.
@@ -113,154 +119,207 @@ def _multiprocessors(cuda):
         return 1
 
 
-
 def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_base,
                             num_keys, program, additive, has_additive, scale, block_k, tile,
                             heads_per_pass, part_m, part_l, part_acc):
     """One block per (partition, KV head, sequence); ``tile`` keys at a time.
 
     Dynamic shared memory holds, per head of a pass, the tile's scores (then weights)
-    ``[tile]``, a reduction buffer ``[threads]`` and the tile's rescale factor.  Threads
-    ``(key_slot, lane)`` compute dot products with ``CUDA_DOT_LANES`` lanes over D (coalesced
-    rows), then threads over (head, d) accumulate the weighted V rows.
+    ``[tile]``, a reduction buffer ``[threads]`` and the tile's rescale factor.  Per tile:
+    the scores (:func:`_tile_scores_cuda`), the running max and rescale factor
+    (:func:`_tile_rescale_cuda`), the keys' weights and ``l`` (:func:`_tile_weights_cuda`),
+    then ``acc`` (:func:`_tile_values_cuda`): the steps of
+    :mod:`numattn.kernels.shared.softmax`, with shared-memory reductions over the block.
     """
     part = cuda.blockIdx.x
     j = cuda.blockIdx.y
     b = cuda.blockIdx.z
-    num_partitions = cuda.gridDim.x
     tid = cuda.threadIdx.x
     threads = cuda.blockDim.x
-    num_heads = q.shape[1]
     head_dim = q.shape[2]
-    group = num_heads // k_blocks.shape[2]
-    lane = tid % CUDA_DOT_LANES
-    key_slot = tid // CUDA_DOT_LANES
-    key_slots = threads // CUDA_DOT_LANES
+    group = q.shape[1] // k_blocks.shape[2]
     zero = scale - scale
     shared = cuda.shared.array(0, dtype=q.dtype)
     red = heads_per_pass * tile
     alphas = red + heads_per_pass * threads
     q_idx = num_keys[b] - 1
-    start, end = partition_bounds(num_keys[b], part, num_partitions, block_k)
+    start, end = partition_bounds(num_keys[b], part, cuda.gridDim.x, block_k)
+    m = part_m[b, part]  # this partition's state rows, one per query head
+    l = part_l[b, part]
+    acc = part_acc[b, part]
     for g0 in range(0, group, heads_per_pass):
         gn = min(heads_per_pass, group - g0)
         h0 = j * group + g0
         for idx in range(tid, gn * head_dim, threads):
-            part_acc[b, part, h0 + idx // head_dim, idx % head_dim] = zero
+            acc[h0 + idx // head_dim, idx % head_dim] = zero
         if tid < gn:
-            part_m[b, part, h0 + tid] = -math.inf
-            part_l[b, part, h0 + tid] = zero
+            m[h0 + tid] = -math.inf
+            l[h0 + tid] = zero
         cuda.syncthreads()
         for k0 in range(start, end, tile):
-            k1 = min(k0 + tile, end)
-            status = mask_tile_status(program, q_idx, q_idx, k0, k1 - 1)
+            n = min(k0 + tile, end) - k0
+            status = mask_tile_status(program, q_idx, q_idx, k0, k0 + n - 1)
             if status == TILE_FULL:
                 continue
-            n = k1 - k0
-            # Scores, key_slots keys per round: lanes sum a slice of D each ...
-            for r0 in range(0, n, key_slots):
-                t = k0 + r0 + key_slot
-                if r0 + key_slot < n:
-                    page, slot = kv_page_slot(lookup_table, page_size, row_base, b, t)
-                    for g in range(gn):
+            _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, program,
+                              additive, has_additive, scale, b, j, h0, gn, q_idx, k0, n,
+                              status, tile, red, shared)
+            _tile_rescale_cuda(m, h0, gn, n, tile, red, alphas, shared)
+            _tile_weights_cuda(m, l, h0, gn, n, tile, red, alphas, zero, shared)
+            _tile_values_cuda(v_blocks, page_size, lookup_table, row_base, program, additive,
+                              has_additive, b, j, h0, gn, q_idx, k0, n, status, tile, alphas,
+                              zero, shared, acc)
+            cuda.syncthreads()
+
+
+@body
+def _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, program, additive,
+                      has_additive, scale, b, j, h0, gn, q_idx, k0, n, status, tile, red,
+                      shared):
+    """``shared[g * tile + i]``: the score of key ``k0 + i`` for query head ``h0 + g``
+    (``-inf`` where the mask or the additive tensor hides it).
+
+    ``key_slots = threads / CUDA_DOT_LANES`` keys per round: threads ``(key_slot, lane)``
+    sum a slice of D each (coalesced rows) into the reduction buffer from ``red``, then one
+    thread per (head, key) adds the lanes and applies the mask.
+    """
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    head_dim = q.shape[2]
+    lane = tid % CUDA_DOT_LANES
+    key_slot = tid // CUDA_DOT_LANES
+    key_slots = threads // CUDA_DOT_LANES
+    zero = scale - scale
+    for r0 in range(0, n, key_slots):
+        t = k0 + r0 + key_slot
+        if r0 + key_slot < n:
+            page, slot = kv_page_slot(lookup_table, page_size, row_base, b, t)
+            for g in range(gn):
+                dot = zero
+                for d in range(lane, head_dim, CUDA_DOT_LANES):
+                    dot += q[b, h0 + g, d] * k_blocks[page, slot, j, d]
+                shared[red + g * threads + tid] = dot
+        cuda.syncthreads()
+        for idx in range(tid, gn * key_slots, threads):
+            g = idx // key_slots
+            ks = idx % key_slots
+            i = r0 + ks
+            if i < n:
+                s = -math.inf
+                if status == TILE_NONE or mask_visible(program, q_idx, k0 + i):
+                    bias = zero
+                    if has_additive:
+                        bias = key_bias(additive, b, h0 + g, 0, k0 + i)
+                    if bias != -math.inf:
                         dot = zero
-                        for d in range(lane, head_dim, CUDA_DOT_LANES):
-                            dot += q[b, h0 + g, d] * k_blocks[page, slot, j, d]
-                        shared[red + g * threads + tid] = dot
-                cuda.syncthreads()
-                # ... and one thread per (head, key) adds the lanes and applies the mask.
-                for idx in range(tid, gn * key_slots, threads):
-                    g = idx // key_slots
-                    ks = idx % key_slots
-                    i = r0 + ks
-                    if i < n:
-                        s = -math.inf
-                        if status == TILE_NONE or mask_visible(program, q_idx, k0 + i):
-                            bias = zero
-                            if has_additive:
-                                bias = key_bias(additive, b, h0 + g, 0, k0 + i)
-                            if bias != -math.inf:
-                                dot = zero
-                                base = red + g * threads + ks * CUDA_DOT_LANES
-                                for ln in range(CUDA_DOT_LANES):
-                                    dot += shared[base + ln]
-                                s = dot * scale + bias
-                        shared[g * tile + i] = s
-                cuda.syncthreads()
-            # Tile max per head (tree reduction), then rescale the state.
+                        base = red + g * threads + ks * CUDA_DOT_LANES
+                        for ln in range(CUDA_DOT_LANES):
+                            dot += shared[base + ln]
+                        s = dot * scale + bias
+                shared[g * tile + i] = s
+        cuda.syncthreads()
+
+
+@body
+def _block_reduce(shared, red, gn, take_max):
+    """Per head ``g < gn``: ``shared[red + g * threads]`` becomes the largest (``take_max``,
+    :func:`.max_nan`) or the sum of ``shared[red + g * threads + t]`` over the block's
+    threads ``t`` (a tree reduction: the block's threads a power of two)."""
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    stride = threads // 2
+    while stride > 0:
+        if tid < stride:
             for g in range(gn):
-                best = -math.inf
-                for i in range(tid, n, threads):
-                    best = max_nan(best, shared[g * tile + i])
-                shared[red + g * threads + tid] = best
-            cuda.syncthreads()
-            stride = threads // 2
-            while stride > 0:
-                if tid < stride:
-                    for g in range(gn):
-                        a = shared[red + g * threads + tid]
-                        other = shared[red + g * threads + tid + stride]
-                        shared[red + g * threads + tid] = max_nan(a, other)
-                cuda.syncthreads()
-                stride //= 2
-            if tid < gn:
-                h = h0 + tid
-                m_new, l_scaled, alpha = rescale_state(
-                    part_m[b, part, h], part_l[b, part, h], shared[red + tid * threads]
-                )
-                part_m[b, part, h0 + tid] = m_new
-                part_l[b, part, h0 + tid] = l_scaled
-                shared[alphas + tid] = alpha
-            cuda.syncthreads()
-            # Weights of the tile's keys and their sum per head (tree reduction).
-            for g in range(gn):
-                m_new = part_m[b, part, h0 + g]
-                total = zero
-                for i in range(tid, n, threads):
-                    p = exp_diff(shared[g * tile + i], m_new)
-                    shared[g * tile + i] = p
-                    total += p
-                shared[red + g * threads + tid] = total
-            cuda.syncthreads()
-            stride = threads // 2
-            while stride > 0:
-                if tid < stride:
-                    for g in range(gn):
-                        shared[red + g * threads + tid] += shared[red + g * threads + tid + stride]
-                cuda.syncthreads()
-                stride //= 2
-            if tid < gn:
-                part_l[b, part, h0 + tid] += shared[red + tid * threads]
-            # Output: threads over (head, d) add the weighted V rows of the tile.
-            for idx in range(tid, gn * head_dim, threads):
-                g = idx // head_dim
-                d = idx % head_dim
-                total = zero
-                # walk the tile's slots page by page (no division per key)
-                row = row_base[b] + k0
-                page_idx = row // page_size
-                slot = row - page_idx * page_size
+                a = shared[red + g * threads + tid]
+                other = shared[red + g * threads + tid + stride]
+                shared[red + g * threads + tid] = max_nan(a, other) if take_max else a + other
+        cuda.syncthreads()
+        stride //= 2
+
+
+@body
+def _tile_rescale_cuda(m, h0, gn, n, tile, red, alphas, shared):
+    """Running max: each head's largest score of the tile (:func:`_block_reduce`), then
+    ``m[h0 + g]`` and its rescale factor ``shared[alphas + g]`` (:func:`.rescale_factor`)."""
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    for g in range(gn):
+        best = -math.inf
+        for i in range(tid, n, threads):
+            best = max_nan(best, shared[g * tile + i])
+        shared[red + g * threads + tid] = best
+    cuda.syncthreads()
+    _block_reduce(shared, red, gn, True)
+    if tid < gn:
+        m_new, alpha = rescale_factor(m[h0 + tid], shared[red + tid * threads])
+        m[h0 + tid] = m_new
+        shared[alphas + tid] = alpha
+    cuda.syncthreads()
+
+
+@body
+def _tile_weights_cuda(m, l, h0, gn, n, tile, red, alphas, zero, shared):
+    """The tile's scores become the keys' weights (:func:`.key_weight`), and ``l[h0 + g]``
+    takes their sum (:func:`_block_reduce`, :func:`.accumulate`)."""
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    for g in range(gn):
+        m_new = m[h0 + g]
+        total = zero
+        for i in range(tid, n, threads):
+            p = key_weight(shared[g * tile + i], m_new)
+            shared[g * tile + i] = p
+            total += p
+        shared[red + g * threads + tid] = total
+    cuda.syncthreads()
+    _block_reduce(shared, red, gn, False)
+    if tid < gn:
+        l[h0 + tid] = accumulate(l[h0 + tid], shared[alphas + tid], shared[red + tid * threads])
+
+
+@body
+def _tile_values_cuda(v_blocks, page_size, lookup_table, row_base, program, additive,
+                      has_additive, b, j, h0, gn, q_idx, k0, n, status, tile, alphas, zero,
+                      shared, acc):
+    """``acc[h0 + g, d]`` takes the tile's weighted V rows (:func:`.accumulate`), threads
+    over (head, d)."""
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    head_dim = acc.shape[1]
+    for idx in range(tid, gn * head_dim, threads):
+        g = idx // head_dim
+        d = idx % head_dim
+        total = zero
+        # walk the tile's slots page by page (no division per key)
+        row = row_base[b] + k0
+        page_idx = row // page_size
+        slot = row - page_idx * page_size
+        page = lookup_table[b, page_idx]
+        for i in range(n):
+            p = shared[g * tile + i]
+            # a weight of 0 is a hidden key (left out: its slot may hold NaN) or a visible
+            # one whose weight underflowed (0 * V: NaN propagates)
+            if p != 0 or not key_hidden(program, status, q_idx, has_additive, additive, b,
+                                        h0 + g, k0 + i):
+                total += p * v_blocks[page, slot, j, d]
+            slot += 1
+            if slot == page_size and i + 1 < n:
+                slot = 0
+                page_idx += 1
                 page = lookup_table[b, page_idx]
-                for i in range(n):
-                    p = shared[g * tile + i]
-                    # a weight of 0 is a hidden key (left out: its slot may hold NaN) or
-                    # a visible one whose weight underflowed (0 * V: NaN propagates)
-                    if p != 0 or not key_hidden(program, status, q_idx, has_additive,
-                                                additive, b, h0 + g, k0 + i):
-                        total += p * v_blocks[page, slot, j, d]
-                    slot += 1
-                    if slot == page_size and i + 1 < n:
-                        slot = 0
-                        page_idx += 1
-                        page = lookup_table[b, page_idx]
-                acc = part_acc[b, part, h0 + g, d]
-                part_acc[b, part, h0 + g, d] = acc * shared[alphas + g] + total
-            cuda.syncthreads()
+        acc[h0 + g, d] = accumulate(acc[h0 + g, d], shared[alphas + g], total)
 
 
 def _decode_reduce_cuda(part_m, part_l, part_acc, sinks, has_sink, out, lse):
-    """One block per (sequence, head) row, threads over the head dimension."""
+    """One block per (sequence, head) row, threads over the head dimension
+    (:func:`.merge_partials`)."""
     num_heads = part_m.shape[2]
     row = cuda.blockIdx.x
-    reduce_row(part_m, part_l, part_acc, sinks, has_sink, row // num_heads, row % num_heads,
-               cuda.threadIdx.x, cuda.blockDim.x, out, lse)
+    b = row // num_heads
+    h = row % num_heads
+    d0 = cuda.threadIdx.x
+    row_lse = merge_partials(part_m[b], part_l[b], part_acc[b], h, False, sinks[h], has_sink,
+                             d0, cuda.blockDim.x, out[b, h])
+    if d0 == 0:
+        lse[b, h] = row_lse

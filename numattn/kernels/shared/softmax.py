@@ -1,12 +1,24 @@
-"""The online-softmax arithmetic, written once for every kernel and backend.
+"""The online softmax, written once for every kernel and backend.
 
 Plain-Python bodies, compiled with :func:`numattn.core.jit.cpu_jit` for the CPU and
 :func:`numattn.core.jit.cuda_device` for CUDA.  One exponent base (e) everywhere.
 
 A partial softmax state over a set of keys is ``(m, l, acc)``: the largest visible score
 ``m`` (``-inf`` when no key is visible), ``l = sum_j e^(s_j - m)`` and
-``acc = sum_j e^(s_j - m) v_j``.  States over disjoint key sets merge exactly by rescaling
-to the larger ``m``; the sink logit enters once, when a row is finished.
+``acc = sum_j e^(s_j - m) v_j``.  It starts as ``(-inf, 0, 0)``.  Every tile loop, CPU and
+CUDA, moves it through the same steps:
+
+* running max: the tile's largest score, reduced with :func:`max_nan`;
+* rescale: :func:`rescale_factor` gives the new ``m`` and ``alpha = e^(m_old - m_new)``;
+* accumulate: each key weighs :func:`key_weight` (``e^(s - m_new)``), and ``l`` and every
+  element of ``acc`` become :func:`accumulate` ``(x, alpha, tile's sum)``;
+* finish: :func:`finish_row` gives ``out = acc * out_scale`` and the row's log-sum-exp,
+  with the sink logit counted exactly once;
+* merge: states over disjoint key sets merge exactly by rescaling to the larger ``m``
+  (:func:`merge_weight`, :func:`merge_partials`), and so do finished results.
+
+The CPU computes the first steps over a whole tile at once in explicit vector code
+(:func:`numattn.kernels.cpu.softmax.softmax_tile`), which calls these bodies per row.
 """
 
 from __future__ import annotations
@@ -30,8 +42,39 @@ def exp_diff(a, b):
 @body
 def max_nan(a, b):
     """The larger of ``a`` and ``b``, NaN if either is NaN (``max`` keeps whichever argument
-    compares larger, and CUDA's ``fmax`` drops a NaN: either could hide a NaN score)."""
+    compares larger, and CUDA's ``fmax`` drops a NaN: either could hide a NaN score).
+
+    The step of every running max: a tile's largest score, a state's new ``m``, the largest
+    ``m`` of the parts of a merge."""
     return a if (a > b or a != a) else b
+
+
+@body
+def rescale_factor(m, tile_max):
+    """Move a running max ``m`` to a tile whose largest score is ``tile_max``.
+
+    Returns ``(m_new, alpha)``: ``m_new = max(m, tile_max)`` (NaN if either is) and
+    ``alpha = e^(m - m_new)``, the factor that rescales ``l`` and ``acc``
+    (:func:`accumulate`).  A tile with no visible key leaves ``m`` as it is (``alpha`` is 1
+    unless ``m`` is ``-inf``: then 0, and ``l`` and ``acc`` are 0).
+    """
+    m_new = max_nan(m, tile_max)
+    return m_new, exp_diff(m, m_new)
+
+
+@body
+def key_weight(score, m):
+    """Weight ``e^(score - m)`` of a key in a state of running max ``m`` (``score <= m``):
+    exactly 0 for a hidden key (``-inf``), NaN for a NaN score."""
+    return exp_diff(score, m)
+
+
+@body
+def accumulate(x, alpha, added):
+    """``x * alpha + added``: a state's sum ``l`` or an element of its ``acc``, rescaled by
+    :func:`rescale_factor`'s ``alpha``, plus the tile's sum of weights (or of weighted
+    values)."""
+    return x * alpha + added
 
 
 @body
@@ -68,82 +111,48 @@ def merge_weight(m_part, m_max):
 
 
 @body
-def rescale_state(m, l, tile_max):
-    """Move a partial state to the max of a new tile of scores.
+def merge_partials(part_m, part_l, part_acc, r, finished, sink, has_sink, d0, d_step,
+                   out_row):
+    """Merge the partial states of row ``r`` and finish it: ``out_row[d]`` for
+    ``d = d0, d0 + d_step, ...``; returns the row's log-sum-exp.
 
-    Returns ``(m_new, l * alpha, alpha)``: the accumulator is rescaled by ``alpha`` and each
-    new key then weighs ``exp_diff(s, m_new)``.  A tile with no visible key leaves the
-    state unchanged (``alpha`` is 1 unless ``m`` was ``-inf``, when ``l`` and ``acc`` are 0).
-    """
-    m_new = max_nan(m, tile_max)
-    alpha = exp_diff(m, m_new)
-    return m_new, l * alpha, alpha
-
-
-@body
-def reduce_row(part_m, part_l, part_acc, sinks, has_sink, b, h, d0, d_step, out, lse):
-    """Merge the partitions of row ``(b, h)`` and finish it: ``out[b, h, d]`` for
-    ``d = d0, d0 + d_step, ...`` and ``lse[b, h]`` (written when ``d0 == 0``).
-
+    Part ``p`` of the row is ``(part_m[p, r], part_l[p, r], part_acc[p, r])``.
     ``M = max_p m_p``, ``w_p = e^(m_p - M)``, ``L = sum w_p l_p``, ``acc = sum w_p acc_p``;
-    the sink enters once, in :func:`finish_row`.  A partition with ``m_p = -inf`` weighs
-    exactly 0: its ``acc_p`` is 0 when it saw no visible key, and ``0 * acc_p`` still
-    carries NaN from a visible row of weight 0 (as does a partition whose weight
-    underflows), so the result does not depend on how the keys were split.
+    the sink enters once, in :func:`finish_row`.  A part with ``m_p = -inf`` weighs exactly
+    0: a partial state's ``acc_p`` is 0 when it saw no visible key, and ``0 * acc_p`` still
+    carries NaN from a visible key of weight 0 (as does a part whose weight underflows), so
+    the result does not depend on how the keys were split.
+
+    With ``finished`` the parts are finished results ``(lse_p, out_p)`` in ``part_m`` and
+    ``part_acc``, that is states ``(lse_p, 1, out_p)``: ``part_l`` is not read, and neither
+    is the output of a part whose ``lse_p`` is ``-inf`` (an empty part may hold anything).
+
+    ``L`` is summed in float64 whatever the dtype.
     """
-    num_parts = part_m.shape[1]
-    big = part_m[b, 0, h]
+    num_parts = part_m.shape[0]
+    big = part_m[0, r]
     for p in range(1, num_parts):
-        x = part_m[b, p, h]
-        if x > big or x != x:
-            big = x
+        big = max_nan(part_m[p, r], big)
     total = 0.0
     for p in range(num_parts):
-        total += merge_weight(part_m[b, p, h], big) * part_l[b, p, h]
-    out_scale, row_lse = finish_row(big, total, sinks[h], has_sink)
-    head_dim = part_acc.shape[3]
-    out_row = out[b, h]
-    for p in range(num_parts):  # one weight per partition (out_scale folded in), its row
-        w = merge_weight(part_m[b, p, h], big) * out_scale
-        acc_row = part_acc[b, p, h]
-        if p == 0:
+        w = merge_weight(part_m[p, r], big)
+        total += w if finished else w * part_l[p, r]
+    out_scale, row_lse = finish_row(big, total, sink, has_sink)
+    head_dim = part_acc.shape[2]
+    first = True
+    for p in range(num_parts):  # one weight per part (out_scale folded in), then its row
+        if finished and part_m[p, r] == -math.inf:
+            continue
+        w = merge_weight(part_m[p, r], big) * out_scale
+        acc_row = part_acc[p, r]
+        if first:
             for d in range(d0, head_dim, d_step):
                 out_row[d] = w * acc_row[d]
         else:
             for d in range(d0, head_dim, d_step):
                 out_row[d] += w * acc_row[d]
-    if d0 == 0:
-        lse[b, h] = row_lse
-
-
-@body
-def merge_row(part_out, part_lse, r, out, lse):
-    """Merge row ``r`` of ``part_out [P, R, D]`` / ``part_lse [P, R]`` into ``out[r]``, ``lse[r]``.
-
-    Parts whose lse is ``-inf`` (no visible key) weigh exactly 0, and their outputs are not
-    read.  Plain body, shared by the CPU and CUDA reductions.
-    """
-    num_parts = part_lse.shape[0]
-    big = -math.inf
-    for p in range(num_parts):
-        x = part_lse[p, r]
-        if x > big or x != x:
-            big = x
-    total = big - big  # 0 of the right type when big is finite
-    if big == -math.inf:
-        for d in range(out.shape[1]):
-            out[r, d] = 0.0
-        lse[r] = big
-        return
-    for p in range(num_parts):
-        total += merge_weight(part_lse[p, r], big)
-    for d in range(out.shape[1]):
-        out[r, d] = 0.0
-    for p in range(num_parts):  # one weight per part, then its whole row
-        if part_lse[p, r] != -math.inf:  # (a weight that underflowed to 0 still counts)
-            w = merge_weight(part_lse[p, r], big)
-            for d in range(out.shape[1]):
-                out[r, d] += w * part_out[p, r, d]
-    for d in range(out.shape[1]):
-        out[r, d] /= total
-    lse[r] = big + math.log(total)
+        first = False
+    if first:  # every part was empty
+        for d in range(d0, head_dim, d_step):
+            out_row[d] = 0
+    return row_lse

@@ -1,0 +1,370 @@
+"""Every body of ``numattn.kernels.shared`` compiled for both targets: for the CPU (checked
+against the same body run as plain Python) and to PTX for ``cc=(9, 0)`` (no GPU needed),
+in float32 and float64 where it computes in floats.  The bodies are found by walking the
+modules, so a new body without sample arguments here fails the first test.  The online
+softmax's state steps are checked against a float64 brute-force softmax as well."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import pkgutil
+
+import numpy as np
+import pytest
+
+import numattn.kernels.shared as shared
+from numattn.core import jit as _jit
+from numattn.core.masks import (
+    OP_CAUSAL,
+    OP_CHUNKED,
+    OP_CHUNKED_CAUSAL,
+    OP_NULL,
+    OP_SLIDING_WINDOW_CAUSAL,
+    TILE_FULL,
+    TILE_NONE,
+    TILE_PARTIAL,
+    compile_mask,
+)
+from numattn.kernels.shared.softmax import (
+    accumulate,
+    key_weight,
+    max_nan,
+    merge_partials,
+    rescale_factor,
+)
+from numattn.masks import (
+    CausalMask,
+    ChunkedCausalMask,
+    ChunkedMask,
+    NullMask,
+    SlidingWindowCausalMask,
+)
+
+from .utils import assert_close
+
+FLOATS = [np.float32, np.float64]
+INF = math.inf
+NAN = math.nan
+
+
+def shared_bodies():
+    """``{qualified name: body}`` of every ``@body`` function of numattn.kernels.shared."""
+    found = {}
+    for info in pkgutil.iter_modules(shared.__path__):
+        module = importlib.import_module(f"{shared.__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            if getattr(obj, "_numattn_body", False) and obj.__module__ == module.__name__:
+                found[f"{info.name}.{name}"] = obj
+    return found
+
+
+BODIES = shared_bodies()
+
+
+def _programs():
+    masks = [NullMask(), CausalMask(), SlidingWindowCausalMask(5), ChunkedMask(4),
+             ChunkedCausalMask(6), CausalMask() & SlidingWindowCausalMask(3),
+             ChunkedMask(8) | SlidingWindowCausalMask(2)]
+    return [compile_mask(m)[0] for m in masks]
+
+
+_LEAVES = [(OP_NULL, 0), (OP_CAUSAL, 0), (OP_SLIDING_WINDOW_CAUSAL, 5), (OP_CHUNKED, 4),
+           (OP_CHUNKED_CAUSAL, 6)]
+
+
+def _positions(rng, count):
+    return [tuple(int(x) for x in rng.integers(0, 40, 2)) for _ in range(count)]
+
+
+def _ranges(rng, count):
+    """``(q0, q1, k0, k1)``: query and key ranges of a tile (inclusive)."""
+    out = []
+    for _ in range(count):
+        q0, k0 = (int(x) for x in rng.integers(0, 40, 2))
+        out.append((q0, q0 + int(rng.integers(0, 9)), k0, k0 + int(rng.integers(0, 9))))
+    return out
+
+
+def _scalars(rng, dtype, count):
+    return [dtype(x) for x in rng.standard_normal(count) * 3]
+
+
+def _pairs(rng, f):
+    """``(a, b)`` with ``a <= b``, and the edges: ``-inf``, equal, NaN, an underflow."""
+    a, b = sorted(_scalars(rng, f, 2))
+    return [(a, b), (f(-INF), b), (f(-INF), f(-INF)), (a, a), (f(NAN), b), (f(-40), f(60))]
+
+
+def _max_samples(rng, f):
+    return [pair for a, b in _pairs(rng, f) for pair in ((a, b), (b, a))]
+
+
+def _rescale_samples(rng, f):
+    return [*_pairs(rng, f), (f(1), f(-INF)), (f(NAN), f(NAN))]
+
+
+def _accumulate_samples(rng, f):
+    return [tuple(_scalars(rng, f, 3)), (f(0), f(0), f(2)), (f(NAN), f(0), f(1))]
+
+
+def _finish_samples(rng, f):
+    m, l, sink = _scalars(rng, f, 3)
+    l = f(abs(l) + 0.1)
+    return [(m, l, sink, True), (m, l, sink, False), (f(-INF), f(0), f(1.5), True),
+            (f(-INF), f(0), f(NAN), True), (f(-INF), f(0), f(0), False),
+            (f(2), f(0), f(0), False), (f(1), f(NAN), f(0), False),
+            (f(-INF), f(0.5), f(0.25), True)]
+
+
+def _merge_samples(rng, f):
+    parts, rows, head_dim = 4, 3, 5
+    part_m = (rng.standard_normal((parts, rows)) * 3).astype(f)
+    part_m[1, 0] = -INF  # an empty part
+    part_m[:, 2] = -INF  # a row empty in every part
+    part_l = rng.uniform(0.5, 4, (parts, rows)).astype(f)
+    part_l[1, 0] = part_l[:, 2] = 0
+    part_acc = rng.standard_normal((parts, rows, head_dim)).astype(f)
+    out_row = rng.standard_normal(head_dim).astype(f)
+    sink = f(rng.standard_normal())
+    return [(part_m, part_l, part_acc, r, finished, sink, has_sink, d0, d_step, out_row)
+            for r in range(rows)
+            for finished, has_sink in [(False, True), (False, False), (True, False)]
+            for d0, d_step in [(0, 1), (1, 2)]]
+
+
+def _leaf_visible_samples(rng, f):
+    return [(op, param, q, k) for op, param in _LEAVES for q, k in _positions(rng, 6)]
+
+
+def _leaf_tile_samples(rng, f):
+    return [(op, param, *r) for op, param in _LEAVES for r in _ranges(rng, 6)]
+
+
+def _visible_samples(rng, f):
+    return [(p, q, k) for p in _programs() for q, k in _positions(rng, 6)]
+
+
+def _tile_status_samples(rng, f):
+    return [(p, *r) for p in _programs() for r in _ranges(rng, 6)]
+
+
+def _span_samples(rng, f):
+    return [(p, q, k0, int(rng.integers(1, 20))) for p in _programs()
+            for q, k0 in _positions(rng, 4)]
+
+
+def _add_bias_samples(rng, f):
+    return [tuple(_scalars(rng, f, 2)), (f(NAN), f(-INF)), (f(INF), f(-INF)),
+            (f(1), f(-INF)), (f(NAN), f(1))]
+
+
+def _additive(rng, f):
+    additive = rng.standard_normal((2, 3, 4, 12)).astype(f)
+    additive[..., ::3] = -INF
+    return additive
+
+
+def _key_bias_samples(rng, f):
+    return [(_additive(rng, f), b, h, row, t)
+            for b, h, row, t in [(0, 0, 0, 0), (1, 2, 3, 11), (1, 1, 2, 6)]]
+
+
+def _key_hidden_samples(rng, f):
+    return [(p, status, q, has_additive, _additive(rng, f), 1, 2, t)
+            for p in _programs()[:4] for status in (TILE_NONE, TILE_PARTIAL, TILE_FULL)
+            for has_additive in (True, False) for q, t in [(5, 3), (5, 6), (9, 11)]]
+
+
+def _page_slot_samples(rng, f):
+    table = np.array([[3, 0, 2], [1, 4, 5]])
+    return [(table, 4, np.array([0, 2]), b, t)
+            for b, t in [(0, 0), (0, 5), (0, 11), (1, 0), (1, 2), (1, 9)]]
+
+
+def _partition_samples(rng, f):
+    return [(n, p, parts, block) for n in (0, 1, 7, 64, 1000) for parts in (1, 3, 8)
+            for p in range(parts) for block in (1, 16)]
+
+
+#: Sample arguments of every shared body: ``name -> (float_typed, samples(rng, dtype))``;
+#: float-typed bodies are compiled and checked in float32 and float64.
+SAMPLES = {
+    "softmax.exp_diff": (True, _pairs),
+    "softmax.max_nan": (True, _max_samples),
+    "softmax.rescale_factor": (True, _rescale_samples),
+    "softmax.key_weight": (True, _pairs),
+    "softmax.accumulate": (True, _accumulate_samples),
+    "softmax.finish_row": (True, _finish_samples),
+    "softmax.merge_weight": (True, _pairs),
+    "softmax.merge_partials": (True, _merge_samples),
+    "masks._leaf_visible": (False, _leaf_visible_samples),
+    "masks._leaf_tile": (False, _leaf_tile_samples),
+    "masks.mask_visible": (False, _visible_samples),
+    "masks.mask_tile_status": (False, _tile_status_samples),
+    "masks.visible_span": (False, _span_samples),
+    "masks.add_bias": (True, _add_bias_samples),
+    "masks.key_bias": (True, _key_bias_samples),
+    "masks.key_hidden": (True, _key_hidden_samples),
+    "paging.kv_page_slot": (False, _page_slot_samples),
+    "partitions.partition_bounds": (False, _partition_samples),
+}
+
+
+def test_every_shared_body_has_samples():
+    assert BODIES, "found no body in numattn.kernels.shared"
+    assert sorted(SAMPLES) == sorted(BODIES), (
+        "sample arguments missing for: " + ", ".join(sorted(set(BODIES) - set(SAMPLES)))
+        + "; stale entries: " + ", ".join(sorted(set(SAMPLES) - set(BODIES))))
+
+
+def _cases():
+    for name in sorted(SAMPLES):
+        float_typed = SAMPLES[name][0]
+        for dtype in FLOATS if float_typed else [np.int64]:
+            yield pytest.param(name, dtype, id=f"{name}-{np.dtype(dtype).name}")
+
+
+def _copy(args):
+    return tuple(np.copy(a) if isinstance(a, np.ndarray) else a for a in args)
+
+
+def _assert_same(got, expected, dtype, what):
+    """Compiled against plain Python: ints and bools exactly, floats to the dtype's
+    rounding (the compiled float32 code stays in float32 where plain Python's ``math``
+    computes in float64) with the same NaN and inf."""
+    if isinstance(expected, tuple):
+        assert isinstance(got, tuple) and len(got) == len(expected), what
+        for i, (g, e) in enumerate(zip(got, expected)):
+            _assert_same(g, e, dtype, f"{what}[{i}]")
+        return
+    got, expected = np.asarray(got), np.asarray(expected)
+    if expected.dtype.kind in "biu":
+        assert np.array_equal(got, expected), what
+        return
+    tol = 1e-5 if dtype == np.float32 else 1e-14
+    assert_close(got, expected.astype(np.float64), np.float64, tol=tol, what=what)
+
+
+@pytest.mark.parametrize(("name", "dtype"), list(_cases()))
+def test_body_on_the_cpu_matches_plain_python(name, dtype, rng):
+    func = BODIES[name]
+    compiled = _jit.cpu_jit(func)
+    for n, args in enumerate(SAMPLES[name][1](rng, dtype)):
+        expected_args = _copy(args)
+        got_args = _copy(args)
+        expected = func(*expected_args)
+        got = compiled(*got_args)
+        _assert_same(got, expected, dtype, f"{name} sample {n}: result")
+        for i, (g, e) in enumerate(zip(got_args, expected_args)):
+            if isinstance(e, np.ndarray):  # what the body wrote
+                _assert_same(g, e, dtype, f"{name} sample {n}: argument {i}")
+
+
+@pytest.mark.parametrize(("name", "dtype"), list(_cases()))
+def test_body_compiles_to_ptx(name, dtype, ptx_compiler, rng):
+    import numba
+    from numba.cuda import compile_ptx
+
+    args = SAMPLES[name][1](rng, dtype)[0]
+    signature = tuple(numba.typeof(a) for a in args)
+    ptx, _ = compile_ptx(_jit.cuda_source(BODIES[name]), signature, device=True, cc=(9, 0))
+    assert ".target sm_90" in ptx
+
+
+def _brute_force(scores, values, sink, has_sink):
+    """float64 softmax of the visible (finite) scores, with the sink counted once."""
+    s = scores.astype(np.float64)
+    big = max(s.max(initial=-INF), float(sink) if has_sink else -INF)
+    if big == -INF:
+        return np.zeros(values.shape[1]), float(sink) if has_sink else -INF
+    w = np.exp(s - big)
+    denom = w.sum() + (np.exp(float(sink) - big) if has_sink else 0)
+    return w @ values.astype(np.float64) / denom, big + np.log(denom)
+
+
+@_jit.body
+def _tiled_states(scores, values, tile, part_m, part_l, part_acc, part, r):
+    """State ``(m, l, acc)`` of ``scores`` tile by tile, with the shared state steps."""
+    m = -math.inf
+    l = values[0, 0] - values[0, 0]  # 0 of the dtype
+    acc = part_acc[part, r]
+    for d in range(acc.shape[0]):
+        acc[d] = 0
+    for k0 in range(0, scores.shape[0], tile):
+        k1 = min(k0 + tile, scores.shape[0])
+        tile_max = -math.inf
+        for j in range(k0, k1):
+            tile_max = max_nan(tile_max, scores[j])
+        m, alpha = rescale_factor(m, tile_max)
+        tile_sum = l - l
+        for d in range(acc.shape[0]):
+            added = l - l
+            for j in range(k0, k1):
+                added += key_weight(scores[j], m) * values[j, d]
+            acc[d] = accumulate(acc[d], alpha, added)
+        for j in range(k0, k1):
+            tile_sum += key_weight(scores[j], m)
+        l = accumulate(l, alpha, tile_sum)
+    part_m[part, r] = m
+    part_l[part, r] = l
+
+
+def _split_softmax(scores, values, splits, tile, sink, has_sink, part_m, part_l, part_acc,
+                   out):
+    """One row's softmax over ``len(splits) - 1`` partitions of its keys, merged."""
+    for p in range(splits.shape[0] - 1):
+        _tiled_states(scores[splits[p]:splits[p + 1]], values[splits[p]:splits[p + 1]], tile,
+                      part_m, part_l, part_acc, p, 0)
+    return merge_partials(part_m, part_l, part_acc, 0, False, sink, has_sink, 0, 1, out)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_state_steps_match_a_brute_force_softmax(dtype, rng):
+    """Tiles, partitions and their merge, written with the shared state steps and compiled
+    for the CPU, against a float64 softmax, for every split of the keys."""
+    kernel = _jit.cpu_jit(_split_softmax)
+    n, head_dim = 23, 6
+    scores = (rng.standard_normal(n) * 3).astype(dtype)
+    scores[[0, 1, 2, 9]] = -np.inf  # hidden keys: a partition may see none
+    values = rng.standard_normal((n, head_dim)).astype(dtype)
+    sink = dtype(rng.standard_normal())
+    for splits in ([0, n], [0, 3, n], [0, 2, 11, 12, n]):
+        splits = np.array(splits, np.int64)
+        parts = splits.shape[0] - 1
+        for tile in (1, 4, 64):
+            for has_sink in (True, False):
+                part_m = np.empty((parts, 1), dtype)
+                part_l = np.empty((parts, 1), dtype)
+                part_acc = np.empty((parts, 1, head_dim), dtype)
+                out = np.empty(head_dim, dtype)
+                lse = kernel(scores, values, splits, tile, sink, has_sink, part_m, part_l,
+                             part_acc, out)
+                visible = np.isfinite(scores)
+                ref_out, ref_lse = _brute_force(scores[visible], values[visible], sink,
+                                                has_sink)
+                assert_close(out, ref_out, dtype)
+                assert_close(np.array(lse), np.array(ref_lse), dtype, what="lse")
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_merge_of_finished_parts_matches_a_brute_force_softmax(dtype, rng):
+    """Finished results ``(lse_p, out_p)`` merge into the softmax over all keys; an empty
+    part's output (NaN here) is never read."""
+    kernel = _jit.cpu_jit(merge_partials)
+    n, head_dim, splits = 17, 4, [0, 5, 5, 12, 17]
+    scores = (rng.standard_normal(n) * 3).astype(dtype)
+    values = rng.standard_normal((n, head_dim)).astype(dtype)
+    parts = len(splits) - 1
+    part_lse = np.empty((parts, 1), dtype)
+    part_out = np.empty((parts, 1, head_dim), dtype)
+    for p in range(parts):
+        part_out[p, 0], part_lse[p, 0] = _brute_force(
+            scores[splits[p]:splits[p + 1]], values[splits[p]:splits[p + 1]], 0, False)
+    part_out[1, 0] = np.nan  # part 1 holds no key: lse -inf
+    out = np.empty(head_dim, dtype)
+    lse = kernel(part_lse, part_lse, part_out, 0, True, dtype(0), False, 0, 1, out)
+    ref_out, ref_lse = _brute_force(scores, values, 0, False)
+    assert part_lse[1, 0] == -np.inf
+    assert_close(out, ref_out, dtype)
+    assert_close(np.array(lse), np.array(ref_lse), dtype, what="lse")
