@@ -35,15 +35,15 @@ whatever the machine:
   numattn does not use (see :data:`numattn.core.jit.FASTMATH`); the sum is then the same on
   every machine too.
 
-Written as plain loops, LLVM vectorised both passes with 256-bit vectors on an AVX-512
-machine whose tuning prefers those (LLVM's ``rocketlake``); there a 1024 x 128 tile's
-softmax takes half the time this way in float32 (139 against 278 us; float64 1.4x), flash
-prefill 1.10x less and decode 1.03-1.07x less.
+Written as plain loops, both passes got 256-bit vectors from LLVM on AVX-512 machines
+whose tuning prefers those (measured: "Softmax in explicit vector code" in
+docs/performance.rst).
 
 Each function is plain NumPy here (its definition, and what runs uncompiled); :func:`register`
 gives it its compiled form (LLVM vectors as wide as the target's registers: 64 bytes with
 AVX-512, 32 with AVX, else 16; :func:`row_max` and :func:`exp_row` in sixteen lanes), and
-:func:`prefetch_row` and :func:`prefetch_head` their ``llvm.prefetch``.
+:func:`prefetch_row` and :func:`prefetch_head` their ``llvm.prefetch``; the LLVM code of
+each is generated in :mod:`.simd_llvm`.
 :func:`numattn.core.jit.cpu_jit` calls :func:`register` before it binds any body (Numba is
 imported lazily).  Vector loads need the last axis of every array contiguous, as the kernels
 pass them.
@@ -89,20 +89,16 @@ SUM_LANES = 16
 #: again in the next (:func:`prefetch_row` warms that start).
 PREFETCH_PAGE_BYTES = 4096
 #: On Intel cores, :func:`scores_block_4` and :func:`values_block_4` (and ``_2``, ``_1``)
-#: ask for the line this many bytes past each vector they load of a K or V row, with every
-#: load (:func:`stream_prefetch_bytes`): each of a tile's streams of adjacent rows (see
-#: :func:`.split_k._tile_rows`) is then requested 1 KiB ahead of where it is read,
-#: and at a row's end in the next row of the stream.  On the 2-core Intel machine of the
-#: decode issue the hardware prefetcher alone left the core waiting on memory between the
-#: multiply-adds: decode read 73-76% of the read bandwidth, with these requests 85-90%
-#: (1.12-1.23x faster from memory: B=8 or 1, one or two threads, float32 and float64, rows
-#: of 0.5-8 KiB, AVX-512 and AVX2 code; 512 bytes ahead 1.11-1.15x, 2 KiB 1.12-1.18x, 4 KiB
-#: 1.13-1.18x, all in the same rounds; see docs/performance.rst).
+#: ask for the line this many bytes past each vector they load of a K or V row
+#: (:func:`stream_prefetch_bytes`), so that each of a tile's streams of adjacent rows (see
+#: :func:`.split_k._tile_rows`) is requested 1 KiB ahead of where it is read: the hardware
+#: prefetcher alone left the core waiting on memory between the multiply-adds.  Measured:
+#: "Decode stream prefetch" in docs/performance.rst.
 STREAM_PREFETCH_BYTES = 1024
-#: LLVM's names of AMD's x86 cores start so.  On the AMD Zen 4 of the decode issue's first
-#: sessions, software prefetches of every line of the rows ahead made decode 17-61% slower
-#: (the core's L1 miss buffers then bound it), so :func:`stream_prefetch_bytes` asks for
-#: none there.
+#: LLVM's names of AMD's x86 cores start so.  There software prefetches of every line of
+#: the rows ahead made decode slower (the core's L1 miss buffers bound it), so
+#: :func:`stream_prefetch_bytes` asks for none ("Where decode's time goes" in
+#: docs/performance.rst).
 AMD_CPU_PREFIXES = ("znver", "bdver", "btver", "amdfam", "barcelona", "athlon", "opteron",
                     "k8")
 
@@ -395,7 +391,7 @@ def target_vector_bytes():
 @functools.cache
 def stream_prefetch_bytes():
     """How far ahead of each vector load of a K or V row the block functions ask for a line:
-    :data:`STREAM_PREFETCH_BYTES` on x86 cores other than AMD's (where it was measured),
+    :data:`STREAM_PREFETCH_BYTES` on x86 cores other than AMD's (it was measured on Intel's),
     0 (no requests) on AMD's (:data:`AMD_CPU_PREFIXES`) and other architectures.  Follows
     ``NUMBA_CPU_NAME`` when it is set, as Numba does."""
     import platform
