@@ -1,6 +1,6 @@
 """Benchmark of ``cross_attention`` on the CPU against ``flash_attention_kv_cache`` and torch.
 
-Run ``python benchmarks/bench_cross.py`` (``--repeat N`` for more repeats).  The issue's case:
+Run ``python benchmarks/bench_cross.py`` (``--repeat N`` for more repeats).  The case:
 8 sequences of 128 queries, each attending over 1500 keys (H = 16, Hkv = 4, D = 64, float32),
 no mask.  The keys live in a paged cache (pages of 128, shuffled): 1372 cached tokens plus the
 128 new rows of this step.  It prints the median time and GFLOP/s (``4 B H S N D`` flops) of
@@ -12,8 +12,8 @@ no mask.  The keys live in a paged cache (pages of 128, shuffled): 1372 cached t
   (what a padded ragged batch needs);
 
 with the fraction of the machine's BLAS GEMM rate (``1024^3``, all cores) measured in the same
-run (median and best time).  Targets: cross
-within 15% of flash's GFLOP/s, and faster than torch.
+run (median and best time).  Targets: cross within 15% of flash's GFLOP/s, and faster than
+torch.
 
 The machine may be shared: the contenders run interleaved call by call, every figure is a
 median of several repeats, the ratios are medians of per-round ratios, and the spread

@@ -2,14 +2,14 @@
 
 Run ``python benchmarks/bench_decode.py`` (``--repeat N`` for more repeats; ``--case
 B,H,HKV,N,D``, repeatable, runs those shapes instead, e.g. ``--case 4,28,4,8192,128`` for a
-model with 28 query and 4 KV heads).  For each case it
-prints the median time of numattn (paged cache, pages of 128) and of PyTorch's CPU
-``scaled_dot_product_attention`` (q of length 1, ``enable_gqa=True``, dense K/V), the KV bytes
-per second (the K and V rows of the live cache, each read once), the fraction of the read
-bandwidth measured in the same rounds (numattn, the bandwidth probe and torch take turns, so
-that all see the same machine), and the speed ratio against torch.  The targets of the
-decode issue are >= 80% of the read bandwidth and >= 1.5x torch for the first case, and the
-same bandwidth for the long single sequence (split-K keeps every core busy).
+model with 28 query and 4 KV heads).  For each case it prints the median time of numattn
+(paged cache, pages of 128) and of PyTorch's CPU ``scaled_dot_product_attention`` (q of
+length 1, ``enable_gqa=True``, dense K/V), the KV bytes per second (the K and V rows of the
+live cache, each read once), the fraction of the read bandwidth measured in the same rounds
+(numattn, the bandwidth probe and torch take turns, so that all see the same machine), and
+the speed ratio against torch.  Targets: >= 80% of the read bandwidth and >= 1.5x torch for
+the first case, and the same bandwidth for the long single sequence (split-K keeps every
+core busy).
 
 The machine may be shared: every figure is a median of several repeats; the spread of
 numattn's repeats is printed too, as the noise to read the figures against.
@@ -18,15 +18,11 @@ numattn's repeats is printed too, as the noise to read the figures against.
 cores).  ``--threads 1`` shows how much of one core's own read rate the kernel reaches:
 where one core alone can read nearly as fast as all of them (a core then waits for memory
 less than when the cores share a link), the kernel's arithmetic, not the memory, sets
-its pace.  On the 2-core AMD machine of the decode issue's first sessions one core read
-28-31 GB/s alone, and decode reached 59-65% of it (B=8 N=4096), against 79-87% of the
-two-core rate; on the 2-core Intel machine of 2026-12-01 one core reads 13-19 GB/s, two
-18-36, and decode reaches 85-88% of one and 82-85% of two since its blocks ask for each
-stream's lines ahead (64-75% and 57-72% before; see docs/performance.rst).
+its pace (figures: "Decode" and "Decode stream prefetch" in docs/performance.rst).
 
-The probe is :func:`numattn.tools.bench.read_all_fn`: eight sequential streams per thread, which
-read about twice what one stream (NumPy's ``sum``) reads on that Intel machine.  torch is
-imported before Numba starts its threads (see :func:`numattn.tools.bench.torch_or_none`).
+The probe is :func:`numattn.tools.bench.read_all_fn` (eight sequential streams per thread).
+torch is imported before Numba starts its threads (see
+:func:`numattn.tools.bench.torch_or_none`).
 """
 
 from __future__ import annotations

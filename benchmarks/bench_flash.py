@@ -1,4 +1,4 @@
-"""Benchmark ``flash_attention_kv_cache`` on the CPU (issue 3, "Speed and memory").
+"""Benchmark of ``flash_attention_kv_cache`` on the CPU: speed and memory.
 
 Cases (float32 unless said):
 

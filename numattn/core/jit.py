@@ -23,12 +23,10 @@ GOMP_SPINCOUNT
     so that it is in place when Numba's OpenMP thread pool starts.  By default that pool's
     idle threads busy-wait for a long while (300,000 spins) after every parallel loop, and
     on a machine with as many threads as cores they then starve the BLAS threads of the
-    NumPy code around the kernels: a serving loop that alternates NumPy matmuls and
-    attention calls ran 70x slower (120 ms instead of 1.7 ms per step of the demo on 2
-    cores).  A thousand spins (a few microseconds) keep that loop as fast as passive waiting
-    does, while a parallel loop that follows another at once still finds the workers awake:
-    each launch after the workers fell asleep costs 30-50 us of wake-up on a virtual machine
-    (measured here: two back-to-back launches 104 us with ``0``, 3 us with ``1000``).
+    NumPy code around the kernels.  A thousand spins (a few microseconds) keep a loop of
+    NumPy and attention calls as fast as passive waiting does, while a parallel loop that
+    follows another at once still finds the workers awake.  Measured: "Sharing the cores
+    with NumPy" in docs/performance.rst.
 """
 
 from __future__ import annotations
@@ -65,20 +63,17 @@ class _UnboundCuda:
 #: Placeholder for ``numba.cuda`` in kernel source (see :class:`_UnboundCuda`).
 cuda = _UnboundCuda()
 
-#: Fast-math flags: contraction and reciprocal approximations are allowed, but *not*
-#: ``nnan``/``ninf`` (masking relies on ``-inf`` and NaN must propagate) and *not*
-#: ``reassoc``.  A body is compiled more than once: on its own, and again inside every
-#: kernel that calls it (and a parallel loop's body both on its own and inside its kernel).
-#: Which copy a kernel runs depends on what the process compiled or loaded first (Numba links
-#: the callees into the caller as weak symbols, and its JIT linker binds them to the
-#: first definition loaded), and with ``reassoc`` each copy may sum in another order: the
-#: results of one call then changed in the last bits between a process that compiled the
-#: kernels and one that loaded them from the disk cache.  Sums that must run fast are
-#: written in a fixed lane order instead (:func:`numattn.kernels.cpu.simd.lane_sum`).
+#: Fast-math flags: contraction and reciprocal approximations, but not ``nnan``/``ninf``
+#: (masking relies on ``-inf``, and NaN must propagate) and not ``reassoc``: under it each
+#: compiled copy of a body may sum in its own order, and which copy a kernel runs depends on
+#: what the process compiled or loaded first (Numba links callees as weak symbols), so
+#: results changed in the last bits between processes.  Sums that must run fast use a fixed
+#: lane order instead (:func:`numattn.kernels.cpu.simd.lane_sum`).
 FASTMATH = frozenset({"contract", "arcp", "nsz"})
 
-# Idle OpenMP workers spin only briefly before they sleep (see GOMP_SPINCOUNT above).  libgomp reads
-# this when Numba starts its thread pool, which may be before any kernel is compiled.
+# Idle OpenMP workers spin only briefly before they sleep (see GOMP_SPINCOUNT above).
+# libgomp reads this when Numba starts its thread pool, which may be before any kernel is
+# compiled.
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "1000"
 

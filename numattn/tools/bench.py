@@ -1,4 +1,4 @@
-"""``python -m numattn bench``: the kernel issues' benchmark shapes, against this machine.
+"""``python -m numattn bench``: the benchmark shapes, against this machine's own limits.
 
 Each case times numattn (median of several runs, after a warm-up that compiles) and, round
 by round with it, a baseline: PyTorch's CPU ``scaled_dot_product_attention`` when torch is
@@ -111,11 +111,9 @@ def read_all_fn(megabytes=1024, threads=None):
     Each thread sums its share of a large array of 64-bit integers as
     :data:`READ_STREAMS` sequential streams at once (:func:`_read_words`, compiled:
     integer sums vectorise without fast-math), so that the probe reads as fast as the cores
-    can.  One stream per thread is not that limit on every machine: on the 2-core Intel
-    machine of the decode issue NumPy's ``sum`` read 7 GB/s per core where eight streams
-    read 14-16 (and two cores 13 against 24-27 GB/s; twelve streams were no faster than
-    eight).  The streams start :data:`READ_STREAM_SKEW` words short of a power of two
-    apart: streams a power of two apart share cache sets and read at 8 GB/s instead.
+    can: on some machines one stream per thread reads half of that.  The streams start
+    :data:`READ_STREAM_SKEW` words short of a power of two apart, as streams a power of two
+    apart share cache sets.  Measured: "How it is measured" in docs/performance.rst.
     """
     threads = threads or os.cpu_count() or 1
     words = np.ones(megabytes * 2**20 // 8, dtype=np.int64)
@@ -173,10 +171,9 @@ def torch_or_none():
 
     Call it before anything starts Numba's threads (a parallel kernel, or
     ``numba.set_num_threads``).  PyTorch's wheels carry their own ``libgomp.so.1``; where
-    Numba's OpenMP layer has loaded the system's first, torch runs on that one, and its CPU
-    ``scaled_dot_product_attention`` took 3-12x as long (the decode issue's B=8 N=4096: 250-650
-    ms against 52-66 ms in the other order; pytorch/pytorch#98836), a baseline no user
-    who imports torch first would see.
+    Numba's OpenMP layer has loaded the system's first, torch runs on that one, several
+    times slower (pytorch/pytorch#98836): a baseline no user who imports torch first would
+    see ("PyTorch in the same process" in docs/performance.rst).
     """
     try:
         import torch

@@ -224,33 +224,24 @@ def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_addi
 # Kernel (CPU only) and its helpers.
 # --------------------------------------------------------------------------------------
 #: Calls with up to this many multiply-adds run on the calling thread: waking the worker
-#: threads costs 30-100 us on a virtual machine (a few us elsewhere), more than it saves on
-#: such work.
+#: threads costs more than it saves on such work ("Short calls" in docs/performance.rst).
 SERIAL_MULTIPLY_ADDS = 2**21
 #: Problems with at most MULTI_QUERY_MAX_LEN query rows per sequence, more than
 #: MULTI_QUERY_MIN_WORK multiply-adds, at least MULTI_QUERY_MIN_ACTIVE of their
 #: ``B * max_q_len`` rows in use and at least MULTI_QUERY_MIN_KEYS_PER_ROW keys (longest
 #: sequence) per query row run on decode's kernels
-#: (:func:`.split_k.run_multi_query_cpu`, which computes every sequence as
-#: ``max_q_len`` rows long and reads each K and V row once for all of them); others on the
-#: kernel below (fewer fixed costs on tiny problems, no work on rows a sequence does not
-#: have, and the faster of the two where the cache is short for the rows: there the
-#: decode kernels spend their time on the mask's partly hidden tail and one work item per
-#: sequence).  Flash kernel time over decode kernels' time, H=32 Hkv=8 D=128, B=1 and 4,
-#: medians of 7 rounds each: at 64 keys per row causal chunks 0.99-1.17, cross attention
-#: 0.94-1.27; at 32, 0.88-1.07 and 1.00-1.19; at 16 and fewer, 0.57-1.05 and 0.67-1.02.
+#: (:func:`.split_k.run_multi_query_cpu`, which computes every sequence as ``max_q_len``
+#: rows long and reads each K and V row once for all of them); others on the kernel below,
+#: which has fewer fixed costs, does no work on rows a sequence does not have, and is the
+#: faster where the cache is short for the rows.  Measured: "A few query rows per sequence"
+#: in docs/performance.rst.
 MULTI_QUERY_MAX_LEN = 16
 MULTI_QUERY_MIN_WORK = SERIAL_MULTIPLY_ADDS
 MULTI_QUERY_MIN_ACTIVE = 0.5
 MULTI_QUERY_MIN_KEYS_PER_ROW = 32
 #: The gather of a work item reads one KV head's row from each token's row of all heads:
-#: rows that stride through memory, which the hardware prefetcher does not follow, so that
-#: with a short query tile the gather's waits for memory took about a fifth of the time
-#: (B=4, one tile of S=16 or 24 rows per sequence: 1.28-1.30x faster with the rows in
-#: cache).  It asks for the rows this many keys ahead: 1.04-1.08x faster there (N=200 or
-#: 4096, two runs of 15 rounds; 2 keys ahead 0.99-1.07x, 8 1.03-1.07x), S=64 1.00-1.05x,
-#: prefill unchanged.  (Items of all KV heads, whose gather reads each token's whole row,
-#: were 0.86-1.00x.)
+#: rows that stride through memory, which the hardware prefetcher does not follow.  It asks
+#: for the rows this many keys ahead ("Flash gather prefetch" in docs/performance.rst).
 GATHER_PREFETCH_KEYS = 4
 _CHUNK = 16  # keys per mask sub-tile when a PARTIAL tile is resolved row by row
 _SUB_Q = 16  # query positions per sub-tile of a PARTIAL tile (each trimmed to its keys)

@@ -35,15 +35,15 @@ whatever the machine:
   numattn does not use (see :data:`numattn.core.jit.FASTMATH`); the sum is then the same on
   every machine too.
 
-Written as plain loops, LLVM vectorised both passes with 256-bit vectors on an AVX-512
-machine whose tuning prefers those (LLVM's ``rocketlake``); there a 1024 x 128 tile's
-softmax takes half the time this way in float32 (139 against 278 us; float64 1.4x), flash
-prefill 1.10x less and decode 1.03-1.07x less.
+Written as plain loops, both passes got 256-bit vectors from LLVM on AVX-512 machines
+whose tuning prefers those (measured: "Softmax in explicit vector code" in
+docs/performance.rst).
 
 Each function is plain NumPy here (its definition, and what runs uncompiled); :func:`register`
 gives it its compiled form (LLVM vectors as wide as the target's registers: 64 bytes with
 AVX-512, 32 with AVX, else 16; :func:`row_max` and :func:`exp_row` in sixteen lanes), and
-:func:`prefetch_row` and :func:`prefetch_head` their ``llvm.prefetch``.
+:func:`prefetch_row` and :func:`prefetch_head` their ``llvm.prefetch``; the LLVM code of
+each is generated in :mod:`.simd_llvm`.
 :func:`numattn.core.jit.cpu_jit` calls :func:`register` before it binds any body (Numba is
 imported lazily).  Vector loads need the last axis of every array contiguous, as the kernels
 pass them.
@@ -89,20 +89,16 @@ SUM_LANES = 16
 #: again in the next (:func:`prefetch_row` warms that start).
 PREFETCH_PAGE_BYTES = 4096
 #: On Intel cores, :func:`scores_block_4` and :func:`values_block_4` (and ``_2``, ``_1``)
-#: ask for the line this many bytes past each vector they load of a K or V row, with every
-#: load (:func:`stream_prefetch_bytes`): each of a tile's streams of adjacent rows (see
-#: :func:`.split_k._tile_rows`) is then requested 1 KiB ahead of where it is read,
-#: and at a row's end in the next row of the stream.  On the 2-core Intel machine of the
-#: decode issue the hardware prefetcher alone left the core waiting on memory between the
-#: multiply-adds: decode read 73-76% of the read bandwidth, with these requests 85-90%
-#: (1.12-1.23x faster from memory: B=8 or 1, one or two threads, float32 and float64, rows
-#: of 0.5-8 KiB, AVX-512 and AVX2 code; 512 bytes ahead 1.11-1.15x, 2 KiB 1.12-1.18x, 4 KiB
-#: 1.13-1.18x, all in the same rounds; see docs/performance.rst).
+#: ask for the line this many bytes past each vector they load of a K or V row
+#: (:func:`stream_prefetch_bytes`), so that each of a tile's streams of adjacent rows (see
+#: :func:`.split_k._tile_rows`) is requested 1 KiB ahead of where it is read: the hardware
+#: prefetcher alone left the core waiting on memory between the multiply-adds.  Measured:
+#: "Decode stream prefetch" in docs/performance.rst.
 STREAM_PREFETCH_BYTES = 1024
-#: LLVM's names of AMD's x86 cores start so.  On the AMD Zen 4 of the decode issue's first
-#: sessions, software prefetches of every line of the rows ahead made decode 17-61% slower
-#: (the core's L1 miss buffers then bound it), so :func:`stream_prefetch_bytes` asks for
-#: none there.
+#: LLVM's names of AMD's x86 cores start so.  There software prefetches of every line of
+#: the rows ahead made decode slower (the core's L1 miss buffers bound it), so
+#: :func:`stream_prefetch_bytes` asks for none ("Where decode's time goes" in
+#: docs/performance.rst).
 AMD_CPU_PREFIXES = ("znver", "bdver", "btver", "amdfam", "barcelona", "athlon", "opteron",
                     "k8")
 
@@ -395,7 +391,7 @@ def target_vector_bytes():
 @functools.cache
 def stream_prefetch_bytes():
     """How far ahead of each vector load of a K or V row the block functions ask for a line:
-    :data:`STREAM_PREFETCH_BYTES` on x86 cores other than AMD's (where it was measured),
+    :data:`STREAM_PREFETCH_BYTES` on x86 cores other than AMD's (it was measured on Intel's),
     0 (no requests) on AMD's (:data:`AMD_CPU_PREFIXES`) and other architectures.  Follows
     ``NUMBA_CPU_NAME`` when it is set, as Numba does."""
     import platform
@@ -410,495 +406,28 @@ def stream_prefetch_bytes():
 
 
 def build_intrinsics(vector_bytes, prefetch_bytes=None):
-    """The Numba intrinsics of this module's functions, for vectors of ``vector_bytes``.
+    """The Numba intrinsics of this module's functions, for vectors of ``vector_bytes``
+    (their LLVM code is in :mod:`.simd_llvm`).
 
     ``prefetch_bytes`` (default :func:`stream_prefetch_bytes`) is how far ahead of its
     loads of K and V rows each block function asks for lines, 0 for not at all.
     Returns ``{function name: intrinsic}``.  (:func:`register` installs them; tests also
     build them for narrower vectors than this machine's, with and without the requests.)
     """
-    from llvmlite import ir
-    from numba.core import cgutils, errors, types
-    from numba.extending import intrinsic
+    from . import simd_llvm
 
     if prefetch_bytes is None:
         prefetch_bytes = stream_prefetch_bytes()
-    i32 = ir.IntType(32)
-    i64 = ir.IntType(64)
-
-    def const(value):
-        return ir.Constant(i64, value)
-
-    def vector_const(element, values):
-        return ir.Constant(ir.VectorType(element, len(values)), list(values))
-
-    def call(builder, name, return_type, args):
-        fnty = ir.FunctionType(return_type, [a.type for a in args])
-        return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
-
-    def broadcast(builder, scalar, lanes):
-        """A vector of ``lanes`` copies of ``scalar``."""
-        one = builder.insert_element(ir.Constant(ir.VectorType(scalar.type, lanes), None),
-                                     scalar, ir.Constant(i32, 0))
-        return builder.shuffle_vector(one, one, vector_const(i32, [0] * lanes))
-
-    class Vectors:
-        """Vector loads, stores and arithmetic on the rows of one array dtype."""
-
-        def __init__(self, context, builder, dtype, lanes=None):
-            self.builder = builder
-            self.itemsize = np.dtype(str(dtype)).itemsize
-            self.lanes = lanes or max(1, vector_bytes // self.itemsize)
-            element = context.get_data_type(dtype)
-            self.type = ir.VectorType(element, self.lanes)
-            self.name = f"v{self.lanes}f{8 * self.itemsize}"
-
-        def _ptr(self, ptr, offset):
-            return self.builder.bitcast(self.builder.gep(ptr, [offset]), self.type.as_pointer())
-
-        def load(self, ptr, offset, mask=None):
-            if mask is None:
-                return self.builder.load(self._ptr(ptr, offset), align=self.itemsize,
-                                         typ=self.type)
-            return call(self.builder, f"llvm.masked.load.{self.name}.p0", self.type,
-                        [self._ptr(ptr, offset), ir.Constant(i32, self.itemsize), mask,
-                         ir.Constant(self.type, None)])
-
-        def store(self, value, ptr, offset, mask=None):
-            if mask is None:
-                self.builder.store(value, self._ptr(ptr, offset), align=self.itemsize)
-            else:
-                call(self.builder, f"llvm.masked.store.{self.name}.p0", ir.VoidType(),
-                     [value, self._ptr(ptr, offset), ir.Constant(i32, self.itemsize), mask])
-
-        def fma(self, a, b, c):
-            return call(self.builder, f"llvm.fma.{self.name}", self.type, [a, b, c])
-
-        def prefetch_ahead(self, ptr, offset):
-            """Ask for the line ``prefetch_bytes`` past element ``ptr[offset]`` (a hint,
-            which never faults); nothing for ``prefetch_bytes = 0``."""
-            if not prefetch_bytes:
-                return
-            ahead = self.builder.add(offset, const(prefetch_bytes // self.itemsize))
-            line = self.builder.bitcast(self.builder.gep(ptr, [ahead]),
-                                        ir.IntType(8).as_pointer())
-            # read, high temporal locality (prefetcht0 on x86), data cache
-            call(self.builder, "llvm.prefetch.p0", ir.VoidType(),
-                 [line, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-
-        def splat(self, scalar):
-            return broadcast(self.builder, scalar, self.lanes)
-
-        def first_lanes(self, count):
-            """Mask of the lanes ``< count`` (the tail of a row)."""
-            return self.builder.icmp_unsigned("<", vector_const(i64, range(self.lanes)),
-                                              broadcast(self.builder, count, self.lanes))
-
-        def over_row(self, length, step):
-            """Run ``step(offset, mask)`` over the vectors of a row of ``length`` elements:
-            whole vectors (``mask`` None), then the tail under a mask."""
-            builder = self.builder
-            whole = builder.udiv(length, const(self.lanes))
-            with cgutils.for_range(builder, whole) as loop:
-                step(builder.mul(loop.index, const(self.lanes)), None)
-            tail = builder.urem(length, const(self.lanes))
-            with builder.if_then(builder.icmp_unsigned("!=", tail, const(0))):
-                step(builder.mul(whole, const(self.lanes)), self.first_lanes(tail))
-
-    def sum_lanes(builder, vectors):
-        """Horizontal sums of ``vectors`` (all of one width), by a tree of shuffles: vectors
-        whose lanes, concatenated, hold the sums in order.
-
-        Each step pairs two vectors whose lanes hold ``L`` partial sums of each of their
-        sources and adds the first and second halves of every source: one vector with
-        ``L / 2`` lanes per source for twice the sources.  A vector left without a partner
-        is halved on its own (the vector counts here, 4, 8 or 16, leave only the last one
-        so, and pairs always have one width).
-        """
-        items = [(v, 1, v.type.count) for v in vectors]  # (vector, sources, lanes each)
-        while items[0][2] > 1:
-            paired = []
-            for t in range(0, len(items), 2):
-                a, sources_a, lanes = items[t]
-                b, sources_b, _ = items[t + 1] if t + 1 < len(items) else (a, 0, lanes)
-                half = lanes // 2
-                first = [s * lanes + x for s in range(sources_a) for x in range(half)]
-                first += [sources_a * lanes + s * lanes + x
-                          for s in range(sources_b) for x in range(half)]
-                second = [m + half for m in first]
-                paired.append((builder.fadd(
-                    builder.shuffle_vector(a, b, vector_const(i32, first)),
-                    builder.shuffle_vector(a, b, vector_const(i32, second))),
-                    sources_a + sources_b, half))
-            items = paired
-        return [v for v, _, _ in items]
-
-    def row_pointer(context, builder, arrty, array, index):
-        """Pointer to element ``array[index]`` (``index`` a list of LLVM integers)."""
-        ary = context.make_array(arrty)(context, builder, array)
-        return cgutils.get_item_pointer(context, builder, arrty, ary, index,
-                                        wraparound=False)
-
-    def last_dim(context, builder, arrty, array):
-        ary = context.make_array(arrty)(context, builder, array)
-        return cgutils.unpack_tuple(builder, ary.shape, arrty.ndim)[-1]
-
-    def key_rows(context, builder, blocks_ty, blocks, j, pages_ty, pages, slots_ty, slots,
-                 positions):
-        """Pointers to row ``blocks[pages[p], slots[p], j]`` for each block position."""
-        rows = []
-        for p in positions:
-            page = builder.load(row_pointer(context, builder, pages_ty, pages, [p]))
-            slot = builder.load(row_pointer(context, builder, slots_ty, slots, [p]))
-            rows.append(row_pointer(context, builder, blocks_ty, blocks,
-                                    [page, slot, j, const(0)]))
-        return rows
-
-    def make_scores(rows):
-        @intrinsic
-        def scores_block(typingctx, qs, h, k_blocks, j, pages, slots, i, n, scores):
-            sig = types.none(qs, h, k_blocks, j, pages, slots, i, n, scores)
-
-            def codegen(context, builder, signature, args):
-                qs_v, h_v, k_v, j_v, pages_v, slots_v, i_v, n_v, scores_v = args
-                qs_ty, _, k_ty, _, pages_ty, slots_ty, _, _, scores_ty = signature.args
-                vec = Vectors(context, builder, qs_ty.dtype)
-                heads = [builder.add(h_v, const(a)) for a in range(rows)]
-                last = builder.sub(n_v, const(1))
-                positions = [builder.select(builder.icmp_signed("<", builder.add(i_v, const(b)),
-                                                                n_v),
-                                            builder.add(i_v, const(b)), last)
-                             for b in range(BLOCK_KEYS)]
-                k_rows = key_rows(context, builder, k_ty, k_v, j_v, pages_ty, pages_v,
-                                  slots_ty, slots_v, positions)
-                q_rows = [row_pointer(context, builder, qs_ty, qs_v, [head, const(0)])
-                          for head in heads]
-                sums = [cgutils.alloca_once_value(builder, ir.Constant(vec.type, 0.0))
-                        for _ in range(rows * BLOCK_KEYS)]
-
-                def step(offset, mask):
-                    for p in k_rows:
-                        vec.prefetch_ahead(p, offset)
-                    q = [vec.load(p, offset, mask) for p in q_rows]
-                    k = [vec.load(p, offset, mask) for p in k_rows]
-                    for a in range(rows):
-                        for b in range(BLOCK_KEYS):
-                            acc = sums[a * BLOCK_KEYS + b]
-                            builder.store(vec.fma(q[a], k[b], builder.load(acc)), acc)
-
-                vec.over_row(last_dim(context, builder, qs_ty, qs_v), step)
-                # lane a * 4 + b of the concatenated result: head a, key b
-                result = sum_lanes(builder, [builder.load(acc) for acc in sums])
-                width = result[0].type.count
-
-                def lane(index):
-                    return result[index // width], index % width
-
-                block_ty = ir.VectorType(vec.type.element, BLOCK_KEYS)
-                whole = builder.icmp_signed("<=", builder.add(i_v, const(BLOCK_KEYS)), n_v)
-                with builder.if_else(whole) as (four_keys, fewer_keys):
-                    with four_keys:
-                        for a in range(rows):
-                            if width >= BLOCK_KEYS:
-                                part, first = lane(a * BLOCK_KEYS)
-                                keys = builder.shuffle_vector(
-                                    part, part, vector_const(i32, range(first, first + 4)))
-                            else:
-                                keys = ir.Constant(block_ty, None)
-                                for b in range(BLOCK_KEYS):
-                                    part, x = lane(a * BLOCK_KEYS + b)
-                                    keys = builder.insert_element(
-                                        keys, builder.extract_element(part, ir.Constant(i32, x)),
-                                        ir.Constant(i32, b))
-                            ptr = row_pointer(context, builder, scores_ty, scores_v,
-                                              [heads[a], i_v])
-                            builder.store(keys, builder.bitcast(ptr, block_ty.as_pointer()),
-                                          align=vec.itemsize)
-                    with fewer_keys:
-                        for b in range(BLOCK_KEYS):
-                            key = builder.add(i_v, const(b))
-                            with builder.if_then(builder.icmp_signed("<", key, n_v)):
-                                for a in range(rows):
-                                    part, x = lane(a * BLOCK_KEYS + b)
-                                    builder.store(
-                                        builder.extract_element(part, ir.Constant(i32, x)),
-                                        row_pointer(context, builder, scores_ty, scores_v,
-                                                    [heads[a], key]))
-                return context.get_dummy_value()
-
-            return sig, codegen
-
-        return scores_block
-
-    def make_values(rows):
-        @intrinsic
-        def values_block(typingctx, weights, h, v_blocks, j, pages, slots, i, acc):
-            sig = types.none(weights, h, v_blocks, j, pages, slots, i, acc)
-
-            def codegen(context, builder, signature, args):
-                w_v, h_v, v_v, j_v, pages_v, slots_v, i_v, acc_v = args
-                w_ty, _, v_ty, _, pages_ty, slots_ty, _, acc_ty = signature.args
-                vec = Vectors(context, builder, acc_ty.dtype)
-                heads = [builder.add(h_v, const(a)) for a in range(rows)]
-                positions = [builder.add(i_v, const(b)) for b in range(BLOCK_KEYS)]
-                v_rows = key_rows(context, builder, v_ty, v_v, j_v, pages_ty, pages_v,
-                                  slots_ty, slots_v, positions)
-                acc_rows = [row_pointer(context, builder, acc_ty, acc_v, [head, const(0)])
-                            for head in heads]
-                weight = [[vec.splat(builder.load(row_pointer(context, builder, w_ty, w_v,
-                                                              [head, p])))
-                           for p in positions] for head in heads]
-
-                def step(offset, mask):
-                    for p in v_rows:
-                        vec.prefetch_ahead(p, offset)
-                    v = [vec.load(p, offset, mask) for p in v_rows]
-                    for a in range(rows):
-                        total = vec.load(acc_rows[a], offset, mask)
-                        for b in range(BLOCK_KEYS):
-                            total = vec.fma(weight[a][b], v[b], total)
-                        vec.store(total, acc_rows[a], offset, mask)
-
-                vec.over_row(last_dim(context, builder, acc_ty, acc_v), step)
-                return context.get_dummy_value()
-
-            return sig, codegen
-
-        return values_block
-
-    def make_values_tile(rows):
-        @intrinsic
-        def values_tile(typingctx, weights, h, v_blocks, j, pages, slots, n, acc):
-            sig = types.none(weights, h, v_blocks, j, pages, slots, n, acc)
-
-            def codegen(context, builder, signature, args):
-                w_v, h_v, v_v, j_v, pages_v, slots_v, n_v, acc_v = args
-                w_ty, _, v_ty, _, pages_ty, slots_ty, _, acc_ty = signature.args
-                vec = Vectors(context, builder, acc_ty.dtype)
-                heads = [builder.add(h_v, const(a)) for a in range(rows)]
-                head_dim = last_dim(context, builder, acc_ty, acc_v)
-                # vector c holds elements c * lanes ..; its lanes past head_dim are masked
-                masks = []
-                for c in range(TILE_VECTORS):
-                    left = builder.sub(head_dim, const(c * vec.lanes))
-                    left = builder.select(builder.icmp_signed("<", left, const(0)), const(0),
-                                          left)
-                    masks.append(vec.first_lanes(left))
-                acc_rows = [row_pointer(context, builder, acc_ty, acc_v, [head, const(0)])
-                            for head in heads]
-                sums = [[cgutils.alloca_once_value(
-                    builder, vec.load(acc_rows[a], const(c * vec.lanes), masks[c]))
-                    for c in range(TILE_VECTORS)] for a in range(rows)]
-                with cgutils.for_range(builder, n_v) as loop:
-                    position = loop.index
-                    (v_row,) = key_rows(context, builder, v_ty, v_v, j_v, pages_ty, pages_v,
-                                        slots_ty, slots_v, [position])
-                    weight = [vec.splat(builder.load(row_pointer(context, builder, w_ty, w_v,
-                                                                 [head, position])))
-                              for head in heads]
-                    for c in range(TILE_VECTORS):
-                        value = vec.load(v_row, const(c * vec.lanes), masks[c])
-                        for a in range(rows):
-                            total = sums[a][c]
-                            builder.store(vec.fma(weight[a], value, builder.load(total)), total)
-                for a in range(rows):
-                    for c in range(TILE_VECTORS):
-                        vec.store(builder.load(sums[a][c]), acc_rows[a], const(c * vec.lanes),
-                                  masks[c])
-                return context.get_dummy_value()
-
-            return sig, codegen
-
-        return values_tile
-
-    def horizontal(builder, vector, op):
-        """``op`` over the lanes of ``vector``: halves combined with halves, down to one."""
-        width = vector.type.count
-        while width > 1:
-            width //= 2
-            vector = op(builder.shuffle_vector(vector, vector, vector_const(i32, range(width))),
-                        builder.shuffle_vector(vector, vector,
-                                               vector_const(i32, range(width, 2 * width))))
-        return builder.extract_element(vector, ir.Constant(i32, 0))
-
-    def check_row(row, what):
-        if not isinstance(row, types.Array) or row.ndim != 1 or row.layout != "C":
-            raise errors.TypingError(f"{what} takes a contiguous 1-D array")
-
-    @intrinsic
-    def row_max(typingctx, row, n):
-        check_row(row, "row_max")
-        sig = row.dtype(row, n)
-
-        def codegen(context, builder, signature, args):
-            row_v, n_v = args
-            row_ty = signature.args[0]
-            vec = Vectors(context, builder, row_ty.dtype, lanes=SUM_LANES)
-            int_dtype = np.dtype(f"i{vec.itemsize}")
-            int_type = ir.VectorType(ir.IntType(8 * vec.itemsize), SUM_LANES)
-
-            def splat(value):
-                return ir.Constant(int_type, [int(value)] * SUM_LANES)
-
-            magnitude = splat(np.iinfo(int_dtype).max)  # all bits but the sign
-            inf_bits = splat(np.array(np.inf, dtype=f"f{vec.itemsize}").view(int_dtype))
-
-            def flip_negative(x):
-                """Negative floats' bits, all but the sign flipped: then integers order
-                the floats as floats order them (and the step undoes itself)."""
-                sign = builder.ashr(x, splat(8 * vec.itemsize - 1))
-                return builder.xor(x, builder.and_(sign, magnitude))
-
-            def image(values):
-                x = builder.bitcast(values, int_type)
-                size = builder.and_(x, magnitude)  # a NaN of either sign: above +inf
-                return flip_negative(
-                    builder.select(builder.icmp_signed(">", size, inf_bits), size, x))
-
-            def larger(a, b):
-                return builder.select(builder.icmp_signed(">", a, b), a, b)
-
-            start = row_pointer(context, builder, row_ty, row_v, [const(0)])
-            lowest = image(ir.Constant(vec.type, [-np.inf] * SUM_LANES))
-            best = cgutils.alloca_once_value(builder, lowest)
-
-            def step(offset, mask):
-                x = image(vec.load(start, offset, mask))
-                if mask is not None:
-                    x = builder.select(mask, x, lowest)
-                builder.store(larger(x, builder.load(best)), best)
-
-            vec.over_row(n_v, step)
-            top = horizontal(builder, builder.load(best), larger)
-            top = builder.insert_element(ir.Constant(int_type, None), top, ir.Constant(i32, 0))
-            value = builder.bitcast(flip_negative(top), vec.type)
-            return builder.extract_element(value, ir.Constant(i32, 0))
-
-        return sig, codegen
-
-    @intrinsic
-    def exp_row(typingctx, row, n, m):
-        check_row(row, "exp_row")
-        if row.dtype not in (types.float32, types.float64) or m != row.dtype:
-            raise errors.TypingError("exp_row takes a float row and an m of its dtype")
-        sig = row.dtype(row, n, m)
-
-        def codegen(context, builder, signature, args):
-            row_v, n_v, m_v = args
-            row_ty = signature.args[0]
-            vec = Vectors(context, builder, row_ty.dtype, lanes=SUM_LANES)
-            size = vec.itemsize
-            int_type = ir.VectorType(ir.IntType(8 * size), SUM_LANES)
-            mantissa, bias = exponent_field(np.dtype(f"f{size}"))
-
-            def splat(value):
-                return ir.Constant(vec.type, [value] * SUM_LANES)
-
-            def polynomial(x, coefficients):
-                y = splat(coefficients[0])
-                for c in coefficients[1:]:
-                    y = vec.fma(y, x, splat(c))
-                return y
-
-            start = row_pointer(context, builder, row_ty, row_v, [const(0)])
-            m = vec.splat(m_v)
-            low = splat(EXP_LOW[size])
-            lanes = cgutils.alloca_once_value(builder, ir.Constant(vec.type, 0.0))
-
-            def step(offset, mask):
-                x = builder.fsub(vec.load(start, offset, mask), m)
-                xc = builder.select(builder.fcmp_ordered(">", x, low), x, low)  # NaN: low
-                k = call(builder, f"llvm.floor.{vec.name}", vec.type,
-                         [vec.fma(xc, splat(EXP_LOG2E), splat(0.5))])
-                r = vec.fma(k, splat(-EXP_LN2[size][0]), xc)
-                r = vec.fma(k, splat(-EXP_LN2[size][1]), r)
-                if size == 4:
-                    y = vec.fma(polynomial(r, EXPF_P), builder.fmul(r, r), r)
-                    y = builder.fadd(y, splat(1.0))
-                else:
-                    rr = builder.fmul(r, r)
-                    px = builder.fmul(r, polynomial(rr, EXP_P))
-                    ratio = builder.fdiv(px, builder.fsub(polynomial(rr, EXP_Q), px))
-                    y = vec.fma(splat(2.0), ratio, splat(1.0))
-                exponent = builder.shl(
-                    builder.add(builder.fptosi(k, int_type),
-                                ir.Constant(int_type, [bias] * SUM_LANES)),
-                    ir.Constant(int_type, [mantissa] * SUM_LANES))
-                scale = builder.select(builder.fcmp_ordered("<", x, low), splat(0.0),
-                                       builder.bitcast(exponent, vec.type))
-                p = builder.fmul(builder.select(builder.fcmp_unordered("uno", x, x), x, y),
-                                 scale)
-                vec.store(p, start, offset, mask)
-                total = builder.fadd(builder.load(lanes), p)
-                if mask is not None:  # lanes past the row keep their sums (even a -0)
-                    total = builder.select(mask, total, builder.load(lanes))
-                builder.store(total, lanes)
-
-            vec.over_row(n_v, step)
-            return horizontal(builder, builder.load(lanes), builder.fadd)
-
-        return sig, codegen
-
-    @intrinsic
-    def prefetch(typingctx, blocks, page, slot, num_lines):
-        sig = types.none(blocks, page, slot, num_lines)
-
-        def codegen(context, builder, signature, args):
-            blocks_ty = signature.args[0]
-            blocks_v, page_v, slot_v, lines_v = args
-            row = row_pointer(context, builder, blocks_ty, blocks_v,
-                              [page_v, slot_v, const(0), const(0)])
-            # from the start of the page that holds the row's start (mapped: the row is)
-            page_start = builder.and_(builder.ptrtoint(row, i64), const(-PREFETCH_PAGE_BYTES))
-            row = builder.inttoptr(page_start, ir.IntType(8).as_pointer())
-            itemsize = np.dtype(str(blocks_ty.dtype)).itemsize
-            shape = cgutils.unpack_tuple(
-                builder, context.make_array(blocks_ty)(context, builder, blocks_v).shape, 4)
-            row_elems = builder.mul(shape[2], shape[3])
-            row_lines = builder.udiv(builder.add(builder.mul(row_elems, const(itemsize)),
-                                                 const(63)), const(64))
-            lines = builder.select(builder.icmp_signed("<", lines_v, row_lines), lines_v,
-                                   row_lines)
-            with cgutils.for_range(builder, lines) as loop:
-                # read, high temporal locality (prefetcht0 on x86), data cache
-                call(builder, "llvm.prefetch.p0", ir.VoidType(),
-                     [builder.gep(row, [builder.mul(loop.index, const(64))]),
-                      ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def prefetch_head(typingctx, blocks, page, slot, head):
-        sig = types.none(blocks, page, slot, head)
-
-        def codegen(context, builder, signature, args):
-            blocks_ty = signature.args[0]
-            blocks_v, page_v, slot_v, head_v = args
-            row = row_pointer(context, builder, blocks_ty, blocks_v,
-                              [page_v, slot_v, head_v, const(0)])
-            itemsize = np.dtype(str(blocks_ty.dtype)).itemsize
-            head_dim = last_dim(context, builder, blocks_ty, blocks_v)
-            start = builder.ptrtoint(row, i64)
-            end = builder.add(start, builder.mul(head_dim, const(itemsize)))
-            first = builder.and_(start, const(-64))  # the line that holds the row's start
-            lines = builder.udiv(builder.sub(builder.add(end, const(63)), first), const(64))
-            base = builder.inttoptr(first, ir.IntType(8).as_pointer())
-            with cgutils.for_range(builder, lines) as loop:
-                # read, high temporal locality (prefetcht0 on x86), data cache
-                call(builder, "llvm.prefetch.p0", ir.VoidType(),
-                     [builder.gep(base, [builder.mul(loop.index, const(64))]),
-                      ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    built = {"prefetch_row": prefetch, "prefetch_head": prefetch_head, "row_max": row_max,
-             "exp_row": exp_row}
+    built = {"prefetch_row": simd_llvm.prefetch_row_intrinsic(),
+             "prefetch_head": simd_llvm.prefetch_head_intrinsic(),
+             "row_max": simd_llvm.row_max_intrinsic(),
+             "exp_row": simd_llvm.exp_row_intrinsic()}
     for rows in BLOCK_ROWS:
-        built[f"scores_block_{rows}"] = make_scores(rows)
-        built[f"values_block_{rows}"] = make_values(rows)
-        built[f"values_tile_{rows}"] = make_values_tile(rows)
+        built[f"scores_block_{rows}"] = simd_llvm.scores_block_intrinsic(
+            rows, vector_bytes, prefetch_bytes)
+        built[f"values_block_{rows}"] = simd_llvm.values_block_intrinsic(
+            rows, vector_bytes, prefetch_bytes)
+        built[f"values_tile_{rows}"] = simd_llvm.values_tile_intrinsic(rows, vector_bytes)
     return built
 
 

@@ -43,40 +43,32 @@ from .simd import (
 from .softmax import softmax_tile
 
 #: CPU: calls that read up to this many K/V bytes run on the calling thread, and partial
-#: outputs up to this many elements are merged there: waking the worker threads costs
-#: 30-100 us on a virtual machine (a few us elsewhere), more than it saves on such work.
+#: outputs up to this many elements are merged there: waking the worker threads costs more
+#: than it saves on such work ("Short calls" in docs/performance.rst).
 SERIAL_KV_BYTES = 2**21
 SERIAL_REDUCE_ELEMENTS = 2**18
 #: CPU: the kernel asks for the first PREFETCH_LINES cache lines of the 4 KiB page that
 #: holds the start of the K or V row it will read PREFETCH_KEYS block positions later (the
 #: next row of the same stream, see :func:`_tile_rows`), when rows are at least
 #: PREFETCH_MIN_ROW_BYTES long.  Such a stream enters a new page at every row, where the
-#: hardware prefetcher starts cold; a few early lines hide that start (8-10% faster; whole
-#: rows would crowd the L1 cache and the miss buffers, and are slower; where the block
-#: functions also ask for each stream's lines 1 KiB ahead, as on Intel cores
-#: (:data:`.simd.STREAM_PREFETCH_BYTES`), these hints still warm the first rows
-#: of each pass over a tile: 1.01-1.03x in float32, 0.97x in float64).  The page's first
-#: lines, not the row's: where a cache does not start on a page (or 16 bytes past one, as
-#: NumPy's large arrays do), the stream enters each page in the previous row, and hints at
-#: the rows' own starts, in the middle of pages, made the rows 8-11% slower than the
-#: page's start (one thread; two threads 4-7%).  Shorter rows share pages, which the
-#: hardware prefetcher follows on its own: there the hints only cost time (rows of 0.5-3
-#: KiB read 10-40% slower with them).
+#: hardware prefetcher starts cold; shorter rows share pages, which it follows on its own.
+#: A few lines, as whole rows would crowd the L1 cache and its miss buffers; the page's
+#: start, not the row's, as a cache need not start on a page.  Measured: "Decode
+#: page-start hints" and "Alignment" in docs/performance.rst.
 PREFETCH_KEYS = 4
 PREFETCH_LINES = 2
 PREFETCH_MIN_ROW_BYTES = 4096
 #: CPU decode: tiles hold ``block_k`` keys or, for short rows, a multiple of it up to
-#: TILE_BYTES of K (at most MAX_TILE_MULTIPLE times): each pass over a tile's K or V rows
-#: then reads long enough streams for the hardware prefetcher (rows of 256 B: 1024-key
-#: tiles read 5-20% faster than 128-key ones, in the same rounds).
+#: TILE_BYTES of K (at most MAX_TILE_MULTIPLE times), so that each pass over a tile's K or
+#: V rows reads streams long enough for the hardware prefetcher ("Decode with short rows"
+#: in docs/performance.rst).
 TILE_BYTES = 2**18
 MAX_TILE_MULTIPLE = 8
 #: CPU: a tile's weighted V rows are summed over the whole tile per block of query heads
-#: (accumulators in registers, :func:`.simd.values_tile_4`) when a token's row of
-#: all KV heads is at most this long and a head's row fits the registers.  Each block then
-#: walks the tile's rows for its own KV head only: with several KV heads per row that
-#: strides through memory (two cores, from memory: rows of 1-4 KiB 16-29% slower), with
-#: one or two heads of D=64 it reads on (0-12% faster; 17% in cache).
+#: (accumulators in registers, :func:`.simd.values_tile_4`) when a token's row of all KV
+#: heads is at most this long and a head's row fits the registers; with longer rows each
+#: block's walk over its own KV head's part strides through memory ("Decode with short
+#: rows" in docs/performance.rst).
 WHOLE_TILE_MAX_ROW_BYTES = 512
 #: :func:`run_multi_query_cpu` counts its key partitions for this many workers whatever the
 #: machine, so that results do not depend on the number of threads.

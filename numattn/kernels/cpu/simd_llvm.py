@@ -1,0 +1,574 @@
+"""The LLVM code of :mod:`.simd`'s functions: one builder of Numba intrinsics per family.
+
+Each builder returns a fresh ``@intrinsic`` whose code generator emits LLVM IR through
+llvmlite: explicit vectors, masked loads and stores for a row's tail, ``llvm.fma`` and
+``llvm.prefetch``.  :func:`.simd.build_intrinsics` calls them (this module imports Numba and
+llvmlite, so it is imported only when a CPU kernel is first compiled); what each function
+computes is said by its plain-NumPy definition in :mod:`.simd`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, errors, types
+from numba.extending import intrinsic
+
+from .simd import (
+    BLOCK_KEYS,
+    EXP_LN2,
+    EXP_LOG2E,
+    EXP_LOW,
+    EXP_P,
+    EXP_Q,
+    EXPF_P,
+    PREFETCH_PAGE_BYTES,
+    SUM_LANES,
+    TILE_VECTORS,
+    exponent_field,
+)
+
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+
+
+# --------------------------------------------------------------------------------------
+# IR helpers.
+# --------------------------------------------------------------------------------------
+def const(value):
+    """An LLVM ``i64`` constant."""
+    return ir.Constant(I64, value)
+
+
+def vector_const(element, values):
+    """An LLVM vector constant of ``element`` type holding ``values``."""
+    return ir.Constant(ir.VectorType(element, len(values)), list(values))
+
+
+def call(builder, name, return_type, args):
+    """A call of the LLVM function (intrinsic) ``name``, declared on first use."""
+    fnty = ir.FunctionType(return_type, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
+
+
+def prefetch_line(builder, pointer):
+    """Ask for the line that holds ``pointer`` (``i8*``): a hint, which never faults."""
+    # read, high temporal locality (prefetcht0 on x86), data cache
+    call(builder, "llvm.prefetch.p0", ir.VoidType(),
+         [pointer, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
+def broadcast(builder, scalar, lanes):
+    """A vector of ``lanes`` copies of ``scalar``."""
+    one = builder.insert_element(ir.Constant(ir.VectorType(scalar.type, lanes), None),
+                                 scalar, ir.Constant(I32, 0))
+    return builder.shuffle_vector(one, one, vector_const(I32, [0] * lanes))
+
+
+class Vectors:
+    """Vector loads, stores and arithmetic on the rows of one array dtype.
+
+    Vectors of ``vector_bytes`` (or ``lanes`` lanes); :meth:`prefetch_ahead` asks for the
+    line ``prefetch_bytes`` past a load (0: no requests).
+    """
+
+    def __init__(self, context, builder, dtype, vector_bytes=0, prefetch_bytes=0,
+                 lanes=None):
+        self.builder = builder
+        self.itemsize = np.dtype(str(dtype)).itemsize
+        self.lanes = lanes or max(1, vector_bytes // self.itemsize)
+        self.prefetch_bytes = prefetch_bytes
+        element = context.get_data_type(dtype)
+        self.type = ir.VectorType(element, self.lanes)
+        self.name = f"v{self.lanes}f{8 * self.itemsize}"
+
+    def _ptr(self, ptr, offset):
+        return self.builder.bitcast(self.builder.gep(ptr, [offset]), self.type.as_pointer())
+
+    def load(self, ptr, offset, mask=None):
+        if mask is None:
+            return self.builder.load(self._ptr(ptr, offset), align=self.itemsize,
+                                     typ=self.type)
+        return call(self.builder, f"llvm.masked.load.{self.name}.p0", self.type,
+                    [self._ptr(ptr, offset), ir.Constant(I32, self.itemsize), mask,
+                     ir.Constant(self.type, None)])
+
+    def store(self, value, ptr, offset, mask=None):
+        if mask is None:
+            self.builder.store(value, self._ptr(ptr, offset), align=self.itemsize)
+        else:
+            call(self.builder, f"llvm.masked.store.{self.name}.p0", ir.VoidType(),
+                 [value, self._ptr(ptr, offset), ir.Constant(I32, self.itemsize), mask])
+
+    def fma(self, a, b, c):
+        return call(self.builder, f"llvm.fma.{self.name}", self.type, [a, b, c])
+
+    def prefetch_ahead(self, ptr, offset):
+        """Ask for the line ``prefetch_bytes`` past element ``ptr[offset]`` (a hint, which
+        never faults); nothing for ``prefetch_bytes = 0``."""
+        if not self.prefetch_bytes:
+            return
+        ahead = self.builder.add(offset, const(self.prefetch_bytes // self.itemsize))
+        prefetch_line(self.builder, self.builder.bitcast(self.builder.gep(ptr, [ahead]),
+                                                         ir.IntType(8).as_pointer()))
+
+    def splat(self, scalar):
+        return broadcast(self.builder, scalar, self.lanes)
+
+    def first_lanes(self, count):
+        """Mask of the lanes ``< count`` (the tail of a row)."""
+        return self.builder.icmp_unsigned("<", vector_const(I64, range(self.lanes)),
+                                          broadcast(self.builder, count, self.lanes))
+
+    def over_row(self, length, step):
+        """Run ``step(offset, mask)`` over the vectors of a row of ``length`` elements:
+        whole vectors (``mask`` None), then the tail under a mask."""
+        builder = self.builder
+        whole = builder.udiv(length, const(self.lanes))
+        with cgutils.for_range(builder, whole) as loop:
+            step(builder.mul(loop.index, const(self.lanes)), None)
+        tail = builder.urem(length, const(self.lanes))
+        with builder.if_then(builder.icmp_unsigned("!=", tail, const(0))):
+            step(builder.mul(whole, const(self.lanes)), self.first_lanes(tail))
+
+
+def sum_lanes(builder, vectors):
+    """Horizontal sums of ``vectors`` (all of one width), by a tree of shuffles: vectors
+    whose lanes, concatenated, hold the sums in order.
+
+    Each step pairs two vectors whose lanes hold ``L`` partial sums of each of their
+    sources and adds the first and second halves of every source: one vector with
+    ``L / 2`` lanes per source for twice the sources.  A vector left without a partner is
+    halved on its own (the vector counts here, 4, 8 or 16, leave only the last one so, and
+    pairs always have one width).
+    """
+    items = [(v, 1, v.type.count) for v in vectors]  # (vector, sources, lanes each)
+    while items[0][2] > 1:
+        paired = []
+        for t in range(0, len(items), 2):
+            a, sources_a, lanes = items[t]
+            b, sources_b, _ = items[t + 1] if t + 1 < len(items) else (a, 0, lanes)
+            half = lanes // 2
+            first = [s * lanes + x for s in range(sources_a) for x in range(half)]
+            first += [sources_a * lanes + s * lanes + x
+                      for s in range(sources_b) for x in range(half)]
+            second = [m + half for m in first]
+            paired.append((builder.fadd(
+                builder.shuffle_vector(a, b, vector_const(I32, first)),
+                builder.shuffle_vector(a, b, vector_const(I32, second))),
+                sources_a + sources_b, half))
+        items = paired
+    return [v for v, _, _ in items]
+
+
+def horizontal(builder, vector, op):
+    """``op`` over the lanes of ``vector``: halves combined with halves, down to one."""
+    width = vector.type.count
+    while width > 1:
+        width //= 2
+        vector = op(builder.shuffle_vector(vector, vector, vector_const(I32, range(width))),
+                    builder.shuffle_vector(vector, vector,
+                                           vector_const(I32, range(width, 2 * width))))
+    return builder.extract_element(vector, ir.Constant(I32, 0))
+
+
+def row_pointer(context, builder, arrty, array, index):
+    """Pointer to element ``array[index]`` (``index`` a list of LLVM integers)."""
+    ary = context.make_array(arrty)(context, builder, array)
+    return cgutils.get_item_pointer(context, builder, arrty, ary, index, wraparound=False)
+
+
+def last_dim(context, builder, arrty, array):
+    """The length of the last axis of ``array``."""
+    ary = context.make_array(arrty)(context, builder, array)
+    return cgutils.unpack_tuple(builder, ary.shape, arrty.ndim)[-1]
+
+
+def key_rows(context, builder, blocks_ty, blocks, j, pages_ty, pages, slots_ty, slots,
+             positions):
+    """Pointers to row ``blocks[pages[p], slots[p], j]`` for each block position."""
+    rows = []
+    for p in positions:
+        page = builder.load(row_pointer(context, builder, pages_ty, pages, [p]))
+        slot = builder.load(row_pointer(context, builder, slots_ty, slots, [p]))
+        rows.append(row_pointer(context, builder, blocks_ty, blocks,
+                                [page, slot, j, const(0)]))
+    return rows
+
+
+def check_row(row, what):
+    """A typing error unless ``row`` is a contiguous 1-D array."""
+    if not isinstance(row, types.Array) or row.ndim != 1 or row.layout != "C":
+        raise errors.TypingError(f"{what} takes a contiguous 1-D array")
+
+
+# --------------------------------------------------------------------------------------
+# Decode's blocks: scores, weighted V rows, whole-tile V sums.
+# --------------------------------------------------------------------------------------
+def scores_block_intrinsic(rows, vector_bytes, prefetch_bytes):
+    """The intrinsic of :func:`.simd.scores_block_4` (``_2``, ``_1``: ``rows`` heads)."""
+
+    @intrinsic
+    def scores_block(typingctx, qs, h, k_blocks, j, pages, slots, i, n, scores):
+        sig = types.none(qs, h, k_blocks, j, pages, slots, i, n, scores)
+
+        def codegen(context, builder, signature, args):
+            qs_v, h_v, k_v, j_v, pages_v, slots_v, i_v, n_v, scores_v = args
+            qs_ty, _, k_ty, _, pages_ty, slots_ty, _, _, scores_ty = signature.args
+            vec = Vectors(context, builder, qs_ty.dtype, vector_bytes, prefetch_bytes)
+            heads = [builder.add(h_v, const(a)) for a in range(rows)]
+            last = builder.sub(n_v, const(1))
+            positions = [builder.select(builder.icmp_signed("<", builder.add(i_v, const(b)),
+                                                            n_v),
+                                        builder.add(i_v, const(b)), last)
+                         for b in range(BLOCK_KEYS)]
+            k_rows = key_rows(context, builder, k_ty, k_v, j_v, pages_ty, pages_v,
+                              slots_ty, slots_v, positions)
+            q_rows = [row_pointer(context, builder, qs_ty, qs_v, [head, const(0)])
+                      for head in heads]
+            sums = [cgutils.alloca_once_value(builder, ir.Constant(vec.type, 0.0))
+                    for _ in range(rows * BLOCK_KEYS)]
+
+            def step(offset, mask):
+                for p in k_rows:
+                    vec.prefetch_ahead(p, offset)
+                q = [vec.load(p, offset, mask) for p in q_rows]
+                k = [vec.load(p, offset, mask) for p in k_rows]
+                for a in range(rows):
+                    for b in range(BLOCK_KEYS):
+                        acc = sums[a * BLOCK_KEYS + b]
+                        builder.store(vec.fma(q[a], k[b], builder.load(acc)), acc)
+
+            vec.over_row(last_dim(context, builder, qs_ty, qs_v), step)
+            # lane a * 4 + b of the concatenated result: head a, key b
+            result = sum_lanes(builder, [builder.load(acc) for acc in sums])
+            _store_scores(context, builder, vec, result, rows, heads, i_v, n_v, scores_ty,
+                          scores_v)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return scores_block
+
+
+def _store_scores(context, builder, vec, result, rows, heads, i_v, n_v, scores_ty, scores_v):
+    """Store the sums of :func:`scores_block_intrinsic` (lane ``a * 4 + b`` of ``result``,
+    concatenated: head ``a``, key ``b``) into ``scores[heads[a], i + b]``, four keys at a
+    time in a whole block, key by key for the keys ``< n`` of a block cut short."""
+    width = result[0].type.count
+
+    def lane(index):
+        return result[index // width], index % width
+
+    block_ty = ir.VectorType(vec.type.element, BLOCK_KEYS)
+    whole = builder.icmp_signed("<=", builder.add(i_v, const(BLOCK_KEYS)), n_v)
+    with builder.if_else(whole) as (four_keys, fewer_keys):
+        with four_keys:
+            for a in range(rows):
+                if width >= BLOCK_KEYS:
+                    part, first = lane(a * BLOCK_KEYS)
+                    keys = builder.shuffle_vector(
+                        part, part, vector_const(I32, range(first, first + 4)))
+                else:
+                    keys = ir.Constant(block_ty, None)
+                    for b in range(BLOCK_KEYS):
+                        part, x = lane(a * BLOCK_KEYS + b)
+                        keys = builder.insert_element(
+                            keys, builder.extract_element(part, ir.Constant(I32, x)),
+                            ir.Constant(I32, b))
+                ptr = row_pointer(context, builder, scores_ty, scores_v, [heads[a], i_v])
+                builder.store(keys, builder.bitcast(ptr, block_ty.as_pointer()),
+                              align=vec.itemsize)
+        with fewer_keys:
+            for b in range(BLOCK_KEYS):
+                key = builder.add(i_v, const(b))
+                with builder.if_then(builder.icmp_signed("<", key, n_v)):
+                    for a in range(rows):
+                        part, x = lane(a * BLOCK_KEYS + b)
+                        builder.store(
+                            builder.extract_element(part, ir.Constant(I32, x)),
+                            row_pointer(context, builder, scores_ty, scores_v,
+                                        [heads[a], key]))
+
+
+def values_block_intrinsic(rows, vector_bytes, prefetch_bytes):
+    """The intrinsic of :func:`.simd.values_block_4` (``_2``, ``_1``: ``rows`` heads)."""
+
+    @intrinsic
+    def values_block(typingctx, weights, h, v_blocks, j, pages, slots, i, acc):
+        sig = types.none(weights, h, v_blocks, j, pages, slots, i, acc)
+
+        def codegen(context, builder, signature, args):
+            w_v, h_v, v_v, j_v, pages_v, slots_v, i_v, acc_v = args
+            w_ty, _, v_ty, _, pages_ty, slots_ty, _, acc_ty = signature.args
+            vec = Vectors(context, builder, acc_ty.dtype, vector_bytes, prefetch_bytes)
+            heads = [builder.add(h_v, const(a)) for a in range(rows)]
+            positions = [builder.add(i_v, const(b)) for b in range(BLOCK_KEYS)]
+            v_rows = key_rows(context, builder, v_ty, v_v, j_v, pages_ty, pages_v,
+                              slots_ty, slots_v, positions)
+            acc_rows = [row_pointer(context, builder, acc_ty, acc_v, [head, const(0)])
+                        for head in heads]
+            weight = [[vec.splat(builder.load(row_pointer(context, builder, w_ty, w_v,
+                                                          [head, p])))
+                       for p in positions] for head in heads]
+
+            def step(offset, mask):
+                for p in v_rows:
+                    vec.prefetch_ahead(p, offset)
+                v = [vec.load(p, offset, mask) for p in v_rows]
+                for a in range(rows):
+                    total = vec.load(acc_rows[a], offset, mask)
+                    for b in range(BLOCK_KEYS):
+                        total = vec.fma(weight[a][b], v[b], total)
+                    vec.store(total, acc_rows[a], offset, mask)
+
+            vec.over_row(last_dim(context, builder, acc_ty, acc_v), step)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return values_block
+
+
+def values_tile_intrinsic(rows, vector_bytes):
+    """The intrinsic of :func:`.simd.values_tile_4` (``_2``, ``_1``: ``rows`` heads)."""
+
+    @intrinsic
+    def values_tile(typingctx, weights, h, v_blocks, j, pages, slots, n, acc):
+        sig = types.none(weights, h, v_blocks, j, pages, slots, n, acc)
+
+        def codegen(context, builder, signature, args):
+            w_v, h_v, v_v, j_v, pages_v, slots_v, n_v, acc_v = args
+            w_ty, _, v_ty, _, pages_ty, slots_ty, _, acc_ty = signature.args
+            vec = Vectors(context, builder, acc_ty.dtype, vector_bytes)
+            heads = [builder.add(h_v, const(a)) for a in range(rows)]
+            head_dim = last_dim(context, builder, acc_ty, acc_v)
+            # vector c holds elements c * lanes ..; its lanes past head_dim are masked
+            masks = []
+            for c in range(TILE_VECTORS):
+                left = builder.sub(head_dim, const(c * vec.lanes))
+                left = builder.select(builder.icmp_signed("<", left, const(0)), const(0),
+                                      left)
+                masks.append(vec.first_lanes(left))
+            acc_rows = [row_pointer(context, builder, acc_ty, acc_v, [head, const(0)])
+                        for head in heads]
+            sums = [[cgutils.alloca_once_value(
+                builder, vec.load(acc_rows[a], const(c * vec.lanes), masks[c]))
+                for c in range(TILE_VECTORS)] for a in range(rows)]
+            with cgutils.for_range(builder, n_v) as loop:
+                position = loop.index
+                (v_row,) = key_rows(context, builder, v_ty, v_v, j_v, pages_ty, pages_v,
+                                    slots_ty, slots_v, [position])
+                weight = [vec.splat(builder.load(row_pointer(context, builder, w_ty, w_v,
+                                                             [head, position])))
+                          for head in heads]
+                for c in range(TILE_VECTORS):
+                    value = vec.load(v_row, const(c * vec.lanes), masks[c])
+                    for a in range(rows):
+                        total = sums[a][c]
+                        builder.store(vec.fma(weight[a], value, builder.load(total)), total)
+            for a in range(rows):
+                for c in range(TILE_VECTORS):
+                    vec.store(builder.load(sums[a][c]), acc_rows[a], const(c * vec.lanes),
+                              masks[c])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return values_tile
+
+
+# --------------------------------------------------------------------------------------
+# The online softmax's rows: maximum, exponentials and their sum.
+# --------------------------------------------------------------------------------------
+def row_max_intrinsic():
+    """The intrinsic of :func:`.simd.row_max`."""
+
+    @intrinsic
+    def row_max(typingctx, row, n):
+        check_row(row, "row_max")
+        sig = row.dtype(row, n)
+
+        def codegen(context, builder, signature, args):
+            row_v, n_v = args
+            row_ty = signature.args[0]
+            vec = Vectors(context, builder, row_ty.dtype, lanes=SUM_LANES)
+            int_dtype = np.dtype(f"i{vec.itemsize}")
+            int_type = ir.VectorType(ir.IntType(8 * vec.itemsize), SUM_LANES)
+
+            def splat(value):
+                return ir.Constant(int_type, [int(value)] * SUM_LANES)
+
+            magnitude = splat(np.iinfo(int_dtype).max)  # all bits but the sign
+            inf_bits = splat(np.array(np.inf, dtype=f"f{vec.itemsize}").view(int_dtype))
+
+            def flip_negative(x):
+                """Negative floats' bits, all but the sign flipped: then integers order
+                the floats as floats order them (and the step undoes itself)."""
+                sign = builder.ashr(x, splat(8 * vec.itemsize - 1))
+                return builder.xor(x, builder.and_(sign, magnitude))
+
+            def image(values):
+                x = builder.bitcast(values, int_type)
+                size = builder.and_(x, magnitude)  # a NaN of either sign: above +inf
+                return flip_negative(
+                    builder.select(builder.icmp_signed(">", size, inf_bits), size, x))
+
+            def larger(a, b):
+                return builder.select(builder.icmp_signed(">", a, b), a, b)
+
+            start = row_pointer(context, builder, row_ty, row_v, [const(0)])
+            lowest = image(ir.Constant(vec.type, [-np.inf] * SUM_LANES))
+            best = cgutils.alloca_once_value(builder, lowest)
+
+            def step(offset, mask):
+                x = image(vec.load(start, offset, mask))
+                if mask is not None:
+                    x = builder.select(mask, x, lowest)
+                builder.store(larger(x, builder.load(best)), best)
+
+            vec.over_row(n_v, step)
+            top = horizontal(builder, builder.load(best), larger)
+            top = builder.insert_element(ir.Constant(int_type, None), top, ir.Constant(I32, 0))
+            value = builder.bitcast(flip_negative(top), vec.type)
+            return builder.extract_element(value, ir.Constant(I32, 0))
+
+        return sig, codegen
+
+    return row_max
+
+
+def exp_row_intrinsic():
+    """The intrinsic of :func:`.simd.exp_row`."""
+
+    @intrinsic
+    def exp_row(typingctx, row, n, m):
+        check_row(row, "exp_row")
+        if row.dtype not in (types.float32, types.float64) or m != row.dtype:
+            raise errors.TypingError("exp_row takes a float row and an m of its dtype")
+        sig = row.dtype(row, n, m)
+
+        def codegen(context, builder, signature, args):
+            row_v, n_v, m_v = args
+            row_ty = signature.args[0]
+            vec = Vectors(context, builder, row_ty.dtype, lanes=SUM_LANES)
+            start = row_pointer(context, builder, row_ty, row_v, [const(0)])
+            m = vec.splat(m_v)
+            lanes = cgutils.alloca_once_value(builder, ir.Constant(vec.type, 0.0))
+
+            def step(offset, mask):
+                x = builder.fsub(vec.load(start, offset, mask), m)
+                p = _exp_lanes(builder, vec, x)
+                vec.store(p, start, offset, mask)
+                total = builder.fadd(builder.load(lanes), p)
+                if mask is not None:  # lanes past the row keep their sums (even a -0)
+                    total = builder.select(mask, total, builder.load(lanes))
+                builder.store(total, lanes)
+
+            vec.over_row(n_v, step)
+            return horizontal(builder, builder.load(lanes), builder.fadd)
+
+        return sig, codegen
+
+    return exp_row
+
+
+def _exp_lanes(builder, vec, x):
+    """``e^x`` in each lane of ``x`` (Cephes' ``expf`` or ``exp``, as :func:`.simd.exp_row`
+    computes it: 0 below :data:`.simd.EXP_LOW`, NaN for NaN)."""
+    size = vec.itemsize
+    int_type = ir.VectorType(ir.IntType(8 * size), SUM_LANES)
+    mantissa, bias = exponent_field(np.dtype(f"f{size}"))
+
+    def splat(value):
+        return ir.Constant(vec.type, [value] * SUM_LANES)
+
+    def polynomial(x, coefficients):
+        y = splat(coefficients[0])
+        for c in coefficients[1:]:
+            y = vec.fma(y, x, splat(c))
+        return y
+
+    low = splat(EXP_LOW[size])
+    xc = builder.select(builder.fcmp_ordered(">", x, low), x, low)  # NaN: low
+    k = call(builder, f"llvm.floor.{vec.name}", vec.type,
+             [vec.fma(xc, splat(EXP_LOG2E), splat(0.5))])
+    r = vec.fma(k, splat(-EXP_LN2[size][0]), xc)
+    r = vec.fma(k, splat(-EXP_LN2[size][1]), r)
+    if size == 4:
+        y = vec.fma(polynomial(r, EXPF_P), builder.fmul(r, r), r)
+        y = builder.fadd(y, splat(1.0))
+    else:
+        rr = builder.fmul(r, r)
+        px = builder.fmul(r, polynomial(rr, EXP_P))
+        ratio = builder.fdiv(px, builder.fsub(polynomial(rr, EXP_Q), px))
+        y = vec.fma(splat(2.0), ratio, splat(1.0))
+    exponent = builder.shl(
+        builder.add(builder.fptosi(k, int_type), ir.Constant(int_type, [bias] * SUM_LANES)),
+        ir.Constant(int_type, [mantissa] * SUM_LANES))
+    scale = builder.select(builder.fcmp_ordered("<", x, low), splat(0.0),
+                           builder.bitcast(exponent, vec.type))
+    return builder.fmul(builder.select(builder.fcmp_unordered("uno", x, x), x, y), scale)
+
+
+# --------------------------------------------------------------------------------------
+# Prefetch hints.
+# --------------------------------------------------------------------------------------
+def prefetch_row_intrinsic():
+    """The intrinsic of :func:`.simd.prefetch_row`."""
+
+    @intrinsic
+    def prefetch(typingctx, blocks, page, slot, num_lines):
+        sig = types.none(blocks, page, slot, num_lines)
+
+        def codegen(context, builder, signature, args):
+            blocks_ty = signature.args[0]
+            blocks_v, page_v, slot_v, lines_v = args
+            row = row_pointer(context, builder, blocks_ty, blocks_v,
+                              [page_v, slot_v, const(0), const(0)])
+            # from the start of the page that holds the row's start (mapped: the row is)
+            page_start = builder.and_(builder.ptrtoint(row, I64), const(-PREFETCH_PAGE_BYTES))
+            row = builder.inttoptr(page_start, ir.IntType(8).as_pointer())
+            itemsize = np.dtype(str(blocks_ty.dtype)).itemsize
+            shape = cgutils.unpack_tuple(
+                builder, context.make_array(blocks_ty)(context, builder, blocks_v).shape, 4)
+            row_elems = builder.mul(shape[2], shape[3])
+            row_lines = builder.udiv(builder.add(builder.mul(row_elems, const(itemsize)),
+                                                 const(63)), const(64))
+            lines = builder.select(builder.icmp_signed("<", lines_v, row_lines), lines_v,
+                                   row_lines)
+            with cgutils.for_range(builder, lines) as loop:
+                prefetch_line(builder, builder.gep(row, [builder.mul(loop.index, const(64))]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return prefetch
+
+
+def prefetch_head_intrinsic():
+    """The intrinsic of :func:`.simd.prefetch_head`."""
+
+    @intrinsic
+    def prefetch_head(typingctx, blocks, page, slot, head):
+        sig = types.none(blocks, page, slot, head)
+
+        def codegen(context, builder, signature, args):
+            blocks_ty = signature.args[0]
+            blocks_v, page_v, slot_v, head_v = args
+            row = row_pointer(context, builder, blocks_ty, blocks_v,
+                              [page_v, slot_v, head_v, const(0)])
+            itemsize = np.dtype(str(blocks_ty.dtype)).itemsize
+            head_dim = last_dim(context, builder, blocks_ty, blocks_v)
+            start = builder.ptrtoint(row, I64)
+            end = builder.add(start, builder.mul(head_dim, const(itemsize)))
+            first = builder.and_(start, const(-64))  # the line that holds the row's start
+            lines = builder.udiv(builder.sub(builder.add(end, const(63)), first), const(64))
+            base = builder.inttoptr(first, ir.IntType(8).as_pointer())
+            with cgutils.for_range(builder, lines) as loop:
+                prefetch_line(builder, builder.gep(base, [builder.mul(loop.index, const(64))]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return prefetch_head
