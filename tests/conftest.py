@@ -1,8 +1,10 @@
-"""Test configuration: seeded RNG per test, CUDA availability, PTX compilation without a GPU."""
+"""Test configuration: a seeded generator per test, the backends a numeric test runs on
+(the ``device`` fixture), CUDA availability, PTX compilation without a GPU."""
 
 from __future__ import annotations
 
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -13,23 +15,7 @@ CUDASIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 @pytest.fixture
 def rng(request):
     """A fresh generator per test, seeded from the test's name (reproducible, not zeros)."""
-    seed = abs(hash(request.node.nodeid)) % (2**32)
-    return np.random.default_rng(seed)
-
-
-@pytest.fixture(params=["decode kernels", "flash kernel"])
-def both_cpu_paths(request, monkeypatch):
-    """Runs a flash or cross test through each CPU path: decode's kernels (which take
-    problems of at most ``flash.MULTI_QUERY_MAX_LEN`` query rows per sequence; here every
-    problem) and the flash kernel's tile GEMMs (here every problem)."""
-    from numattn.kernels.cpu import flash
-
-    everything = request.param == "decode kernels"
-    monkeypatch.setattr(flash, "MULTI_QUERY_MAX_LEN", 2**62 if everything else 0)
-    monkeypatch.setattr(flash, "MULTI_QUERY_MIN_WORK", -1)
-    monkeypatch.setattr(flash, "MULTI_QUERY_MIN_ACTIVE", 0)
-    monkeypatch.setattr(flash, "MULTI_QUERY_MIN_KEYS_PER_ROW", 0)
-    return request.param
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
 def cuda_runnable() -> bool:
@@ -41,9 +27,71 @@ def cuda_runnable() -> bool:
 _REQUIRES_CUDA_REASON = "needs a CUDA GPU or the CUDA simulator (tox -e cudasim runs these)"
 
 #: CUDA semantics tests: they run under the simulator (tox -e cudasim) or on a GPU.  Tests
-#: carrying it (and PTX tests using ``ptx_compiler``) also get the ``cuda`` marker, which is
-#: what ``tox -e cudasim`` selects.
+#: carrying it also get the ``cuda`` marker, which is what ``tox -e cudasim`` selects (and
+#: tests using ``ptx_compiler`` get the ``ptx`` marker).
 requires_cuda = pytest.mark.skipif(not cuda_runnable(), reason=_REQUIRES_CUDA_REASON)
+
+#: The marks of a parameter set that runs CUDA kernels.
+CUDA_MARKS = (pytest.mark.cuda, requires_cuda)
+
+#: The CPU runs flash and cross attention through either of two kernels (see
+#: :func:`route_cpu_path`): their tests run through each, on these ``device`` parameters.
+CPU_PATHS = ("cpu:decode kernels", "cpu:flash kernel")
+
+
+def cuda_param(*values):
+    """The parameter set ``("cuda", *values)``, marked ``cuda`` and skipped (with the reason)
+    where neither a GPU nor the simulator is present."""
+    return pytest.param("cuda", *values, marks=CUDA_MARKS)
+
+
+#: The ``device`` fixture's parameters: every numeric test runs on each backend.
+DEVICES = ("cpu", cuda_param())
+
+
+def on_devices(cpu_cases, cuda_cases, *, cpu=("cpu",)):
+    """Parameter sets ``(device, *case)`` for ``parametrize(..., indirect=["device"])``:
+    every case of ``cpu_cases`` on each device of ``cpu`` (``"cpu"`` or :data:`CPU_PATHS`),
+    and every case of ``cuda_cases`` on CUDA (tiny ones: the simulator runs kernels as
+    Python, so the CUDA cases are a chosen few where the CPU's are a full product)."""
+    return [*(pytest.param(device, *case) for case in cpu_cases for device in cpu),
+            *(cuda_param(*case) for case in cuda_cases)]
+
+
+def route_cpu_path(monkeypatch, path):
+    """Sends every flash and cross problem of the test through one CPU path: ``"decode
+    kernels"`` (which take problems of at most ``flash.MULTI_QUERY_MAX_LEN`` query rows per
+    sequence; here every problem) or ``"flash kernel"`` (its tile GEMMs; here every one)."""
+    from numattn.kernels.cpu import flash
+
+    everything = path == "decode kernels"
+    monkeypatch.setattr(flash, "MULTI_QUERY_MAX_LEN", 2**62 if everything else 0)
+    monkeypatch.setattr(flash, "MULTI_QUERY_MIN_WORK", -1)
+    monkeypatch.setattr(flash, "MULTI_QUERY_MIN_ACTIVE", 0)
+    monkeypatch.setattr(flash, "MULTI_QUERY_MIN_KEYS_PER_ROW", 0)
+
+
+def use_device(param, monkeypatch):
+    """The ``device`` argument for an operation, from a ``device`` parameter: ``"cpu"``,
+    ``"cuda"``, or one of :data:`CPU_PATHS` (routed there, and ``"cpu"`` returned)."""
+    device, _, path = param.partition(":")
+    if path:
+        route_cpu_path(monkeypatch, path)
+    return device
+
+
+@pytest.fixture(params=CPU_PATHS)
+def both_cpu_paths(request, monkeypatch):
+    """Runs a CPU-only test of flash or cross attention through each CPU path."""
+    return use_device(request.param, monkeypatch)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, monkeypatch):
+    """The backend a numeric test runs on: ``"cpu"`` or ``"cuda"``.  Modules whose
+    operations run through both CPU paths override it with :data:`CPU_PATHS`; a test whose
+    CUDA cases differ from its CPU ones parametrises it with :func:`on_devices`."""
+    return use_device(request.param, monkeypatch)
 
 
 def pytest_collection_modifyitems(config, items):

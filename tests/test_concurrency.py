@@ -19,6 +19,8 @@ import numattn
 from numattn import CausalMask, reference
 from numattn.kernels.cpu import flash, split_k
 
+from . import internals
+
 
 def _on_worker_threads(set_value):
     """Sends every call of :func:`_run_concurrently` to the worker threads, through
@@ -72,7 +74,7 @@ def test_overlapping_calls_agree_with_the_reference_and_keep_blas_threads(rng, m
     _on_worker_threads(monkeypatch.setattr)
     import scipy.linalg.cython_blas  # noqa: F401  (the BLAS flash calls, loaded beforehand)
 
-    real_limit = flash._blas_single_thread
+    real_limit = internals.blas_single_thread
     seen_at_kernel_end = []
 
     @contextlib.contextmanager
@@ -81,7 +83,7 @@ def test_overlapping_calls_agree_with_the_reference_and_keep_blas_threads(rng, m
             yield
             seen_at_kernel_end.append(_blas_threads())
 
-    monkeypatch.setattr(flash, "_blas_single_thread", recording_limit)
+    monkeypatch.setattr(internals.cpu_flash, real_limit.__name__, recording_limit)
     before = _blas_threads()
     errors = _run_concurrently(rng)
     assert not errors, errors[:3]
@@ -98,12 +100,12 @@ def test_flash_holds_blas_to_one_thread_only_while_it_runs():
     from threadpoolctl import threadpool_limits
 
     before = _blas_threads()
-    with flash._blas_single_thread():
+    with internals.blas_single_thread():
         assert all(n == 1 for _, n in _blas_threads())
     assert _blas_threads() == before
     with threadpool_limits(limits=before[0][1] + 1, user_api="blas"):
         chosen = _blas_threads()  # the user's own setting is what a call restores
-        with flash._blas_single_thread():
+        with internals.blas_single_thread():
             pass
         assert _blas_threads() == chosen
     assert _blas_threads() == before

@@ -1,4 +1,10 @@
-"""cross_attention on the CPU against the float64 reference (queries at ``q_idx = r``)."""
+"""cross_attention against the float64 reference (queries at ``q_idx = r``).
+
+Numeric tests take the ``device`` fixture: they run on the CPU, through each of its two
+paths, and through CUDA (in the simulator, ``tox -e cudasim``, or on a GPU) on tiny shapes
+with 32 threads per block.  CUDA's own tests follow: host-side tiling, device arrays,
+launch geometry, and the kernel compiled to PTX for ``cc=(9, 0)`` without a GPU.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ from numattn.masks import (
     SlidingWindowCausalMask,
 )
 
+from . import internals
+from .conftest import CPU_PATHS, cuda_param, on_devices, requires_cuda, use_device
 from .utils import assert_close, make_kv, randn
 
 KINDS = ("ragged", "dense", "continuous", "paged")
@@ -25,13 +33,20 @@ MASKS = ("null", "causal", "sliding", "chunked", "chunked_causal", "additive_sn"
          "additive_bss", "additive_bhss", "causal_and_additive", "chunked_or_sliding")
 DTYPES = (np.float32, np.float64)
 
+#: Small tiles and blocks of 32 threads keep the simulator quick (the CPU ignores the threads).
+SIM = numattn.MHAConfig(block_k=4, threads_per_block=32)
+#: The default tiles, with blocks of 32 threads.
+DEFAULT_TILES = numattn.MHAConfig(threads_per_block=32)
 
-#: every test runs through both CPU paths (see conftest.both_cpu_paths)
-pytestmark = pytest.mark.usefixtures("both_cpu_paths")
+
+@pytest.fixture(params=[*CPU_PATHS, cuda_param()])
+def device(request, monkeypatch):
+    """Every numeric test runs through both CPU paths and through CUDA."""
+    return use_device(request.param, monkeypatch)
 
 
 # --------------------------------------------------------------------------------------
-# Problem builders (also used by test_cross_cuda.py).
+# Problem builders.
 # --------------------------------------------------------------------------------------
 def make_problem(rng, kind, q_lens, kv_lens, cache_lens, num_heads, num_kv_heads, head_dim,
                  dtype, *, page_size=4, q_pad=1):
@@ -133,41 +148,94 @@ def standard_problem(rng, kind, dtype, num_heads=6, num_kv_heads=2, head_dim=5):
 # --------------------------------------------------------------------------------------
 # Numerics.
 # --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mask_name", MASKS)
-@pytest.mark.parametrize("kind", KINDS)
-def test_matches_reference(kind, mask_name, dtype, rng):
-    problem = standard_problem(rng, kind, dtype)
-    out, lse = check(problem, make_mask(rng, mask_name, problem, 6),
-                     config=numattn.MHAConfig(block_q=2, block_k=3))
+CUDA_CASES = [  # (kind, mask, dtype): every kind, mask and dtype appears
+    ("ragged", "causal", np.float32),
+    ("ragged", "additive_bhss", np.float64),
+    ("dense", "chunked", np.float64),
+    ("dense", "additive_sn", np.float32),
+    ("continuous", "additive_bss", np.float32),
+    ("continuous", "sliding", np.float64),
+    ("paged", "null", np.float64),
+    ("paged", "causal_and_additive", np.float32),
+    ("paged", "chunked_or_sliding", np.float64),
+    ("paged", "chunked_causal", np.float32),
+]
+
+
+@pytest.mark.parametrize(("device", "kind", "mask_name", "dtype"), on_devices(
+    [(kind, mask, dtype) for kind in KINDS for mask in MASKS for dtype in DTYPES], CUDA_CASES,
+    cpu=CPU_PATHS), indirect=["device"])
+def test_matches_reference(kind, mask_name, dtype, device, rng):
+    """Every kind, mask and dtype on the CPU; on CUDA the chosen few, float32 with each
+    sequence's rows in one block and float64 in blocks of 2 rows."""
+    if device == "cpu":
+        problem = standard_problem(rng, kind, dtype)
+        config = numattn.MHAConfig(block_q=2, block_k=3)
+    else:
+        problem = standard_problem(rng, kind, dtype, num_heads=4, num_kv_heads=2, head_dim=3)
+        config = numattn.MHAConfig(block_q=256 if dtype == np.float32 else 2, block_k=4,
+                                   threads_per_block=32)
+    num_heads = problem["q"].shape[1]
+    out, lse = check(problem, make_mask(rng, mask_name, problem, num_heads), device=device,
+                     config=config)
+    assert isinstance(out, np.ndarray)
     # The sequence with zero keys (index 2, rows 3..7) gives 0 and -inf, never NaN.
     assert np.all(out[3:8] == 0) and np.all(lse[3:8] == -np.inf)
 
 
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
-def test_gqa_groups(group, rng):
-    problem = make_problem(rng, "paged", (3, 5), (2, 4), (7, 1), 2 * group, 2, 8, np.float32)
-    check(problem, CausalMask(), config=numattn.MHAConfig(block_q=2, block_k=4))
+@pytest.mark.parametrize(("device", "group"), on_devices(
+    [(1,), (2,), (3,), (4,), (5,), (8,)], [(1,), (2,), (3,), (8,)], cpu=CPU_PATHS),
+    indirect=["device"])
+def test_gqa_groups(group, device, rng):
+    if device == "cpu":
+        problem = make_problem(rng, "paged", (3, 5), (2, 4), (7, 1), 2 * group, 2, 8,
+                               np.float32)
+        config = numattn.MHAConfig(block_q=2, block_k=4)
+    else:
+        problem = make_problem(rng, "paged", (2, 1), (3, 2), (2, 5), group, 1, 3, np.float32)
+        config = SIM
+    check(problem, CausalMask(), device=device, config=config)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_max_shapes_paged_128(dtype, rng):
-    """MAX's test: 16 query heads, 4 KV heads, D = 128, pages of 128, caches of 37 and 129."""
-    problem = make_problem(rng, "paged", (5, 33), (7, 40), (37, 129), 16, 4, 128, dtype,
+@pytest.mark.parametrize(("device", "dtype"), on_devices(
+    [(np.float32,), (np.float64,)], [(np.float32,)], cpu=CPU_PATHS), indirect=["device"])
+def test_max_shapes_paged_128(dtype, device, rng):
+    """MAX's test: 16 query heads, 4 KV heads, D = 128, pages of 128, caches of 37 and 129
+    (on CUDA a row or two per sequence, without a mask)."""
+    q_lens, kv_lens = ((5, 33), (7, 40)) if device == "cpu" else ((1, 2), (1, 2))
+    problem = make_problem(rng, "paged", q_lens, kv_lens, (37, 129), 16, 4, 128, dtype,
                            page_size=128)
-    check(problem, NullMask())
-    check(problem, CausalMask())
+    check(problem, NullMask(), device=device)
+    if device == "cpu":
+        check(problem, CausalMask())
 
 
-def test_page_size_4_many_crossings(rng):
-    problem = make_problem(rng, "paged", (9, 1, 14), (13, 2, 30), (29, 3, 41), 4, 2, 7,
-                           np.float64, page_size=4)
-    check(problem, NullMask(), config=numattn.MHAConfig(block_q=4, block_k=5))
-    check(problem, ChunkedCausalMask(5), config=numattn.MHAConfig(block_q=3, block_k=8))
+def test_page_size_4_many_crossings(device, rng):
+    """Pages of 4 crossed many times; then NaN in the keys the causal mask hides from every
+    row never shows, and where no mask hides them it propagates as in the reference."""
+    if device == "cpu":
+        problem = make_problem(rng, "paged", (9, 1, 14), (13, 2, 30), (29, 3, 41), 4, 2, 7,
+                               np.float64, page_size=4)
+    else:
+        problem = make_problem(rng, "paged", (3, 2), (6, 1), (11, 14), 2, 1, 2, np.float64)
+    check(problem, NullMask(), device=device,
+          config=numattn.MHAConfig(block_q=4, block_k=5, threads_per_block=32))
+    check(problem, ChunkedCausalMask(5), device=device,
+          config=numattn.MHAConfig(block_q=3, block_k=8, threads_per_block=32))
+    k, v = problem["k"], problem["v"]
+    q_lens = np.diff(problem["q_input_row_offsets"])
+    for b, q_len in enumerate(q_lens):
+        for t in range(int(q_len), int(num_keys_of(problem)[b])):  # hidden: q_idx = r < t
+            for x in (k, v):
+                x.blocks[x.lookup_table[b, t // 4], t % 4] = np.nan
+    out, _ = check(problem, CausalMask(), device=device, config=SIM)
+    assert np.all(np.isfinite(out))
+    check(problem, NullMask(), device=device,
+          config=numattn.MHAConfig(block_k=5, threads_per_block=32))
 
 
 @pytest.mark.parametrize("cache_batch", [0, 2])
-def test_zero_sequence_batch_leaves_out_untouched(cache_batch, rng):
+def test_zero_sequence_batch_leaves_out_untouched(cache_batch, device, rng):
     """No sequences: returns at once; the caches may describe any number of sequences."""
     h, hkv, d = 16, 4, 128
     kb = np.full((3, 128, hkv, d), np.nan, np.float32)
@@ -177,36 +245,33 @@ def test_zero_sequence_batch_leaves_out_untouched(cache_batch, rng):
     v = numattn.PagedKVCache(kb.copy(), lengths, table)
     q = np.empty((0, h, d), np.float32)
     out = np.full((0, h, d), 7.0, np.float32)
-    result = cross_attention(q, np.array([0]), 0, k, v, np.array([0]), out=out)
+    result = cross_attention(q, np.array([0]), 0, k, v, np.array([0]), out=out, device=device)
     assert result is out
     res, lse = cross_attention(q, np.array([0], np.uint32), 4, k, v, np.array([0]),
-                               return_lse=True)
+                               return_lse=True, device=device)
     assert res.shape == (0, h, d) and lse.shape == (0, h)
 
 
-def test_zero_query_rows_and_zero_keys(rng):
+def test_zero_query_rows_and_zero_keys(device, rng):
     # Every sequence without queries: nothing is written.
     problem = make_problem(rng, "paged", (0, 0), (3, 0), (2, 0), 4, 2, 3, np.float32)
     out = np.full((0, 4, 3), 5.0, np.float32)
-    assert cross_attention(**problem, out=out) is out
+    assert cross_attention(**problem, out=out, device=device) is out
     # Queries whose sequence has no keys at all: 0 and lse -inf, even with an additive mask.
     problem = make_problem(rng, "ragged", (2, 3), (0, 0), (0, 0), 4, 2, 3, np.float32)
-    out, lse = check(problem, make_mask(rng, "additive_bss", problem, 4))
+    out, lse = check(problem, make_mask(rng, "additive_bss", problem, 4), device=device,
+                     config=DEFAULT_TILES)
     assert np.all(out == 0) and np.all(lse == -np.inf)
 
 
-def check_zero_heads(rng, device):
+def test_zero_heads(device, rng):
     problem = make_problem(rng, "paged", (2, 1), (1, 2), (3, 0), 0, 2, 3, np.float32)
     out, lse = cross_attention(**problem, device=device, return_lse=True)
     assert out.shape == (3, 0, 3) and lse.shape == (3, 0)
 
 
-def test_zero_heads(rng):
-    check_zero_heads(rng, "cpu")
-
-
 @pytest.mark.parametrize("kind", ["ragged", "paged"])
-def test_nan_in_hidden_keys_never_reaches_output(kind, rng):
+def test_nan_in_hidden_keys_never_reaches_output(kind, device, rng):
     """Causal with q_idx = r: keys at positions >= q_len are hidden from every row."""
     cache = (0, 0) if kind == "ragged" else (4, 6)
     problem = make_problem(rng, kind, (3, 4), (5, 2), cache, 4, 2, 6, np.float64)
@@ -220,15 +285,12 @@ def test_nan_in_hidden_keys_never_reaches_output(kind, rng):
                 else:
                     page = x.lookup_table[b, t // x.page_size]
                     x.blocks[page, t % x.page_size] = np.nan
-    out, _ = check(problem, CausalMask(), config=numattn.MHAConfig(block_q=2, block_k=2))
+    out, _ = check(problem, CausalMask(), device=device,
+                   config=numattn.MHAConfig(block_q=2, block_k=2, threads_per_block=32))
     assert np.all(np.isfinite(out))
 
 
-def test_additive_minus_inf_hides_nan_and_inf_keys(rng):
-    check_additive_minus_inf_hides_nan_keys(rng, "cpu")
-
-
-def check_additive_minus_inf_hides_nan_keys(rng, device):
+def test_additive_minus_inf_hides_nan_and_inf_keys(device, rng):
     """-inf in an additive mask hides a key even when its K row holds NaN or inf."""
     problem = make_problem(rng, "ragged", (3, 2), (5, 4), (0, 0), 4, 2, 6, np.float64)
     bias = randn(rng, (2, 4, problem["q_max_seq_len"], 5), np.float64)
@@ -246,54 +308,71 @@ def check_additive_minus_inf_hides_nan_keys(rng, device):
     assert_close(out, want, np.float64)
 
 
-def test_nan_in_visible_input_propagates(rng):
+def test_nan_in_visible_input_propagates(device, rng):
     problem = make_problem(rng, "ragged", (2, 3), (4, 4), (0, 0), 2, 1, 4, np.float32)
     problem["q"][3, 1, 2] = np.nan  # second sequence, row 1, head 1
-    out, lse = check(problem)
+    out, lse = check(problem, device=device, config=DEFAULT_TILES)
     assert np.all(np.isnan(out[3, 1])) and np.isnan(lse[3, 1])
     assert np.all(np.isfinite(np.delete(out.reshape(-1, 4), 3 * 2 + 1, axis=0)))
 
 
-def test_dense_keys_with_and_without_offsets(rng):
+def test_visible_key_of_score_minus_inf_still_adds_0_times_v(device):
+    """inf in q makes a visible key's score -inf: its weight is 0, and 0 * V still counts
+    (NaN or inf in its V row propagates); hidden keys are never read."""
+    q = np.ones((3, 2, 4), np.float32)
+    q[0, :, 0] = -np.inf  # token 0 sees key 0 only (causal): a score of -inf
+    k = np.ones((4, 1, 4), np.float32)
+    v = np.ones((4, 1, 4), np.float32)
+    v[0, 0, 1] = np.nan  # key 0: visible to every token
+    v[3, 0, 2] = np.inf  # key 3: hidden from every token (causal, q_idx = r < 3)
+    args = (q, np.array([0, 3]), 3, k, v, np.array([0, 4]), CausalMask())
+    out = cross_attention(*args, device=device, config=SIM)
+    assert np.isnan(out[:, :, 1]).all() and np.isfinite(out[:, :, [0, 2, 3]]).all()
+    assert_close(out, reference.cross_attention(*args), np.float32)
+
+
+def test_dense_keys_with_and_without_offsets(device, rng):
     problem = make_problem(rng, "dense", (2, 3), (4, 1), (0, 0), 4, 4, 5, np.float64)
-    check(problem, CausalMask())
+    check(problem, CausalMask(), device=device, config=DEFAULT_TILES)
     k = problem["k"]
     k[np.isnan(k)] = 0.5
     problem["v"][np.isnan(problem["v"])] = -0.25
     problem["kv_input_row_offsets"] = None  # all N rows are keys
-    out = cross_attention(**problem)
+    out = cross_attention(**problem, device=device, config=DEFAULT_TILES)
     n = k.shape[1]
     ref = reference.cross_attention(**{**problem, "kv_input_row_offsets": [0, n, 2 * n]})
     assert_close(out, ref, np.float64)
 
 
-def test_cache_without_kv_offsets_uses_q_lengths(rng):
+def test_cache_without_kv_offsets_uses_q_lengths(device, rng):
     problem = make_problem(rng, "continuous", (2, 3), (2, 3), (4, 1), 4, 2, 5, np.float64)
     expected = reference.cross_attention(**problem)
-    out = cross_attention(**{**problem, "kv_input_row_offsets": None})
+    out = cross_attention(**{**problem, "kv_input_row_offsets": None}, device=device,
+                          config=DEFAULT_TILES)
     assert_close(out, expected, np.float64)
 
 
-def test_out_scale_and_lse(rng):
+def test_out_scale_and_lse(device, rng):
     problem = make_problem(rng, "paged", (3, 2), (2, 5), (3, 0), 4, 2, 6, np.float32)
     out = np.full((5, 4, 6), np.nan, np.float32)
-    result, lse = cross_attention(**problem, scale=0.3, out=out, return_lse=True)
+    result, lse = cross_attention(**problem, scale=0.3, out=out, return_lse=True,
+                                  device=device, config=DEFAULT_TILES)
     assert result is out
     ref_out, ref_lse = reference.cross_attention(**problem, scale=0.3, return_lse=True)
     assert_close(out, ref_out, np.float32)
     assert_close(lse, ref_lse, np.float32, what="lse")
-    plain = cross_attention(**problem, scale=0.3)
+    plain = cross_attention(**problem, scale=0.3, device=device, config=DEFAULT_TILES)
     assert isinstance(plain, np.ndarray) and plain.shape == (5, 4, 6)
 
 
-def test_config_does_not_change_results(rng):
+def test_config_does_not_change_results(device, rng):
     problem = standard_problem(rng, "paged", np.float64)
     mask = SlidingWindowCausalMask(4)
-    base = cross_attention(**problem, mask=mask)
-    for cfg in (numattn.MHAConfig(block_q=1, block_k=1), numattn.MHAConfig(block_q=7,
-                                                                           block_k=2)):
-        assert_close(cross_attention(**problem, mask=mask, config=cfg), base, np.float64,
-                     tol=1e-12)
+    base = cross_attention(**problem, mask=mask, device=device, config=DEFAULT_TILES)
+    for cfg in (numattn.MHAConfig(block_q=1, block_k=1, threads_per_block=32),
+                numattn.MHAConfig(block_q=7, block_k=2, threads_per_block=32)):
+        assert_close(cross_attention(**problem, mask=mask, device=device, config=cfg), base,
+                     np.float64, tol=1e-12)
 
 
 # --------------------------------------------------------------------------------------
@@ -336,12 +415,13 @@ def _bad_cases(problem):
     ]
 
 
-def test_errors_leave_out_untouched(rng):
+@pytest.mark.parametrize("device", ["cpu", cuda_param()])
+def test_errors_leave_out_untouched(device, rng):
     problem = make_problem(rng, "paged", (2, 3), (1, 2), (3, 4), 4, 2, 3, np.float32)
     sentinel = np.full((5, 4, 3), 123.0, np.float32)
     for change, exc, match in _bad_cases(problem):
         out = sentinel.copy() if "out" not in change else change["out"]
-        kwargs = {**problem, "out": out, **change}
+        kwargs = {**problem, "out": out, "device": device, **change}
         before = np.array(out, copy=True)
         with pytest.raises(exc, match=match):
             cross_attention(**kwargs)
@@ -364,3 +444,98 @@ def test_cuda_requested_without_cuda(rng):
     problem = make_problem(rng, "ragged", (2,), (3,), (0,), 2, 1, 4, np.float32)
     with pytest.raises(CudaUnavailableError, match="no CUDA GPU"):
         cross_attention(**problem, device="cuda")
+
+
+# --------------------------------------------------------------------------------------
+# CUDA only.  Host-side tiling (no CUDA needed), device arrays, launch geometry.
+# --------------------------------------------------------------------------------------
+def test_cuda_tiles_fit_shared_memory():
+    cross = internals.cuda_flash
+    for group in (1, 3, 4, 8, 12, 16, 17, 48, 128):
+        for itemsize in (4, 8):
+            for block_q, block_k in ((1, 1), (256, 128), (7, 65536)):
+                heads, rows, keys = internals.cuda_cross_tiles(group, itemsize, block_q,
+                                                               block_k, 100)
+                assert group % heads == 0 and 1 <= heads * rows <= cross.MAX_ROW_HEADS
+                assert 1 <= rows <= block_q and 1 <= keys <= block_k
+                assert (internals.cuda_cross_shared_bytes(heads * rows, keys, itemsize)
+                        <= cross.SHARED_BYTES)
+    assert internals.cuda_cross_tiles(4, 4, 256, 128, 100) == (4, 8, 128)
+    # no longer than the longest sequence
+    assert internals.cuda_cross_tiles(4, 4, 256, 128, 3)[1] == 3
+    assert internals.cuda_cross_tiles(12, 8, 256, 128, 100)[:2] == (12, 2)
+
+
+@requires_cuda
+def test_cuda_group_split_over_blocks(rng, monkeypatch):
+    """A group larger than a block's head count is served by several blocks."""
+    monkeypatch.setattr(internals.cuda_flash, "MAX_ROW_HEADS", 2)
+    problem = make_problem(rng, "continuous", (2, 1), (1, 3), (3, 0), 8, 2, 2, np.float64)
+    check(problem, CausalMask(), device="cuda", config=SIM)
+
+
+def _to_device(x):
+    from numba import cuda
+
+    return cuda.to_device(x)
+
+
+@requires_cuda
+def test_cuda_device_arrays_in_place(rng):
+    problem = make_problem(rng, "paged", (2, 3), (2, 1), (3, 5), 4, 2, 3, np.float32)
+    expected, expected_lse = numattn.reference.cross_attention(**problem, return_lse=True)
+    k, v = problem["k"], problem["v"]
+    blocks_k, blocks_v = _to_device(k.blocks), _to_device(v.blocks)
+    d_k = numattn.PagedKVCache(blocks_k, k.cache_lengths, k.lookup_table)
+    d_v = numattn.PagedKVCache(blocks_v, v.cache_lengths, v.lookup_table)
+    d_q = _to_device(problem["q"])
+    d_out = _to_device(np.full((5, 4, 3), np.nan, np.float32))
+    args = {**problem, "q": d_q, "k": d_k, "v": d_v}
+    result, lse = cross_attention(**args, out=d_out, return_lse=True, config=SIM)
+    assert result is d_out
+    assert_close(d_out.copy_to_host(), expected, np.float32)
+    assert_close(lse.copy_to_host(), expected_lse, np.float32, what="lse")
+    # Device inputs and a host out: the result lands in the NumPy array.
+    host_out = np.zeros((5, 4, 3), np.float32)
+    assert cross_attention(**args, out=host_out, config=SIM) is host_out
+    assert_close(host_out, expected, np.float32)
+    with pytest.raises(TypeError, match="device='cpu'"):
+        cross_attention(**args, device="cpu")
+
+
+@requires_cuda
+def test_cuda_zero_sequence_batch_of_device_arrays_leaves_out_untouched():
+    h, hkv, d = 16, 4, 128
+    blocks = np.full((2, 128, hkv, d), np.nan, np.float32)
+    k = numattn.PagedKVCache(blocks, np.array([37, 129]), np.zeros((2, 2), np.int64))
+    q = _to_device(np.empty((0, h, d), np.float32))
+    out = _to_device(np.full((0, h, d), 3.0, np.float32))
+    assert cross_attention(q, [0], 0, k, k, [0], out=out) is out
+
+
+@requires_cuda
+def test_cuda_rejects_non_contiguous_device_arrays(rng):
+    problem = make_problem(rng, "ragged", (2,), (2,), (0,), 2, 1, 4, np.float32)
+    wide = _to_device(np.zeros((2, 2, 8), np.float32))
+    with pytest.raises(ValueError, match="q must be C-contiguous"):
+        cross_attention(**{**problem, "q": wide[:, :, ::2]}, device="cuda")
+
+
+# --------------------------------------------------------------------------------------
+# PTX for a real target (cc 9.0): catches typing errors the simulator cannot see.
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_kernel_compiles_to_ptx(dtype, ptx_compiler):
+    from numba import types
+
+    ft = getattr(types, dtype)
+    idx1, idx2 = types.int64[::1], types.int64[:, ::1]
+    signature = (
+        ft[:, :, ::1], idx1, idx1, idx1, ft[:, :, ::1], ft[:, :, ::1], types.int64, idx2,
+        idx1, idx1, idx2, ft[:, :, :, ::1], types.boolean, ft, types.int64, types.int64,
+        types.int64, types.int64, ft[:, :, ::1], ft[:, ::1], types.boolean,
+    )
+    ptx = ptx_compiler(internals.cross_attention_cuda_kernel, signature)
+    assert "bar.sync" in ptx
+    if dtype == "float32":  # the tile loops stay in float32 (only the row's 1/l is float64)
+        assert ptx.count(".f64") < 40

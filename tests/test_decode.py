@@ -1,5 +1,11 @@
-"""decode_attention on the CPU against the float64 reference: every cache kind, mask, GQA
-group, dtype and partition count; sinks, NaN in unused or hidden slots, lse, out=, errors."""
+"""decode_attention against the float64 reference: every cache kind, mask, GQA group, dtype
+and partition count; sinks, NaN in unused or hidden slots, lse, out=, errors.
+
+Numeric tests take the ``device`` fixture: they run on the CPU and through CUDA (in the
+simulator, ``tox -e cudasim``, or on a GPU), the CUDA cases on tiny shapes.  Then come the
+CPU kernel's own promises (threads, schedule, tiles, bitwise repeatability), and CUDA's
+(device arrays, launch geometry, every kernel compiled to PTX).
+"""
 
 from __future__ import annotations
 
@@ -18,11 +24,17 @@ from numattn import (
 )
 from numattn.decode import decode_attention
 
+from . import internals
+from .conftest import requires_cuda
 from .utils import CACHE_KINDS, assert_close, make_kv, randn
 
 DTYPES = [np.float32, np.float64]
 PARTITIONS = [1, 2, 5, 32]
-SMALL = MHAConfig(block_k=4)  # several key tiles (and aligned partitions) on small caches
+#: Several key tiles (and aligned partitions) on small caches; blocks of 32 CUDA threads keep
+#: the simulator quick (the CPU ignores threads_per_block).
+SMALL = MHAConfig(block_k=4, threads_per_block=32)
+#: The default tiles, with blocks of 32 threads.
+DEFAULT_TILES = MHAConfig(threads_per_block=32)
 
 
 def masks_for(batch, num_heads, num_keys, dtype, rng):
@@ -63,20 +75,54 @@ def lengths_for(kind):
 
 @pytest.mark.parametrize("kind", CACHE_KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_reference_every_mask_and_partition_count(kind, dtype, rng):
-    lengths = lengths_for(kind)
-    batch, kv_heads, group, head_dim = len(lengths), 2, 3, 16
-    k, v = make_kv(rng, kind, lengths, [1] * batch, kv_heads, head_dim, dtype, page_size=8)
+def test_matches_reference_every_mask_and_partition_count(kind, dtype, device, rng):
+    """With sinks.  On the CPU every mask with every partition count; on CUDA (tiny) two masks,
+    a cache of length 0 and pages of 3 against tiles of 4 (tiles cross pages)."""
+    if device == "cpu":
+        lengths, head_dim, page_size = lengths_for(kind), 16, 8
+    else:
+        lengths, head_dim, page_size = [9, 9] if kind == "dense" else [0, 9], 5, 3
+    batch, kv_heads, group = len(lengths), 2, 3
+    k, v = make_kv(rng, kind, lengths, [1] * batch, kv_heads, head_dim, dtype,
+                   page_size=page_size)
     q = randn(rng, (batch, kv_heads * group, head_dim), dtype)
+    sinks = randn(rng, (kv_heads * group,), dtype)
     num_keys = (k.shape[1] if kind == "dense" else max(lengths) + 1)
-    for mask in masks_for(batch, kv_heads * group, num_keys, dtype, rng):
-        ref_out, ref_lse = numattn.reference.decode_attention(q, k, v, mask, return_lse=True)
-        for parts in PARTITIONS:
-            out, lse = decode_attention(q, k, v, mask, num_partitions=parts, return_lse=True,
-                                        config=SMALL)
-            assert out.dtype == dtype and lse.dtype == dtype
+    if device == "cpu":
+        runs = [(mask, PARTITIONS)
+                for mask in masks_for(batch, kv_heads * group, num_keys, dtype, rng)]
+    else:
+        runs = [(CausalMask(), [1]), (SlidingWindowCausalMask(3), [3])]
+    for mask, partition_counts in runs:
+        ref_out, ref_lse = numattn.reference.decode_attention(q, k, v, mask, sink_weights=sinks,
+                                                              return_lse=True)
+        for parts in partition_counts:
+            out, lse = decode_attention(q, k, v, mask, sink_weights=sinks, num_partitions=parts,
+                                        return_lse=True, device=device, config=SMALL)
+            assert isinstance(out, np.ndarray) and out.dtype == dtype and lse.dtype == dtype
             assert_close(out, ref_out, dtype, what=f"{mask!r:.60} P={parts}")
             assert_close(lse, ref_lse, dtype, what=f"lse {mask!r:.60} P={parts}")
+
+
+def test_additive_mask_partitions_and_out(device, rng):
+    """An additive tensor hiding every fourth key, and all of sequence 0's keys (0 and lse
+    -inf there), split in 2 and 5 partitions, written into out."""
+    dtype = np.float32
+    k, v = make_kv(rng, "paged", [6, 13], [1, 1], 1, 4, dtype, page_size=4)
+    q = randn(rng, (2, 2, 4), dtype)
+    bias = randn(rng, (2, 2, 1, 14), dtype)
+    bias[..., ::4] = -np.inf
+    bias[0] = -np.inf  # sequence 0 sees no key: 0 and lse -inf
+    mask = MaterializedMask(bias)
+    ref_out, ref_lse = numattn.reference.decode_attention(q, k, v, mask, return_lse=True)
+    out = np.full((2, 2, 4), 9.0, dtype)
+    for parts in (2, 5):
+        result, lse = decode_attention(q, k, v, mask, num_partitions=parts, device=device,
+                                       out=out, return_lse=True, config=SMALL)
+        assert result is out
+        assert_close(out, ref_out, dtype)
+        assert_close(lse, ref_lse, dtype)
+        assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -152,54 +198,69 @@ def test_sliding_window_512_at_1025_keys_with_nan_in_hidden_keys(dtype, rng):
 
 
 @pytest.mark.parametrize("fill", [np.nan, np.inf])
-def test_unused_slots_never_reach_the_output(fill, rng):
+def test_unused_slots_never_reach_the_output(fill, device, rng):
+    """NaN or inf in the slots no sequence uses; the same bits again on a second call."""
+    kv_heads, head_dim = (2, 8) if device == "cpu" else (1, 4)  # tiny for the simulator
     for kind in ("continuous", "paged"):
-        k, v = make_kv(rng, kind, [0, 5, 9], [1, 1, 1], 2, 8, np.float64, page_size=4,
-                       fill=fill)
-        q = randn(rng, (3, 4, 8), np.float64)
+        k, v = make_kv(rng, kind, [0, 5, 9], [1, 1, 1], kv_heads, head_dim, np.float64,
+                       page_size=4, fill=fill)
+        q = randn(rng, (3, 2 * kv_heads, head_dim), np.float64)
         for parts in (1, 4):
-            out = decode_attention(q, k, v, NullMask(), num_partitions=parts, config=SMALL)
+            out = decode_attention(q, k, v, NullMask(), num_partitions=parts, device=device,
+                                   config=SMALL)
             assert np.all(np.isfinite(out))
             assert_close(out, numattn.reference.decode_attention(q, k, v), np.float64)
+            again = decode_attention(q, k, v, NullMask(), num_partitions=parts, device=device,
+                                     config=SMALL)
+            assert np.array_equal(again, out)
 
 
-def test_nan_in_a_visible_key_propagates_to_its_heads_only(rng):
+def test_nan_in_a_visible_key_propagates_to_its_heads_only(device, rng):
     k = randn(rng, (2, 20, 2, 8), np.float64)
     v = randn(rng, (2, 20, 2, 8), np.float64)
     q = randn(rng, (2, 4, 8), np.float64)
     k[0, 13, 1, 2] = np.nan  # sequence 0, KV head 1 (query heads 2 and 3)
     v[1, 3, 0, 5] = np.nan  # sequence 1, KV head 0, dim 5 (query heads 0 and 1)
     for parts in (1, 3):
-        out = decode_attention(q, k, v, num_partitions=parts, config=SMALL)
+        out = decode_attention(q, k, v, num_partitions=parts, device=device, config=SMALL)
         assert np.all(np.isnan(out[0, 2:])) and np.all(np.isfinite(out[0, :2]))
         assert np.all(np.isnan(out[1, :2, 5])) and np.isfinite(out[1, :2, :5]).all()
         assert np.all(np.isfinite(out[1, 2:]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["none", "window", "additive"])
-def test_nan_in_a_visible_value_propagates_when_its_weight_underflows(dtype, kind, rng):
+@pytest.mark.parametrize("kind", ["none", "window", "additive", "window_and_additive"])
+def test_nan_in_a_visible_value_propagates_when_its_weight_underflows(dtype, kind, device,
+                                                                      rng):
     """A visible key whose weight is exactly 0 still adds 0 * V (NaN stays NaN), on tiles
-    with and without hidden keys; key 0 (hidden by the window) holds NaN and must not."""
-    mask = {"none": NullMask(), "window": SlidingWindowCausalMask(6),
-            "additive": MaterializedMask(np.zeros((1, 1, 1, 8), dtype))}[kind]
+    with and without hidden keys; keys hidden by the window or by a -inf additive entry
+    hold NaN and must not show."""
+    hidden_bias = np.zeros((1, 1, 1, 8), dtype)
+    hidden_bias[..., 5] = -np.inf
+    mask, hidden = {
+        "none": (NullMask(), []),
+        "window": (SlidingWindowCausalMask(6), [0]),
+        "additive": (MaterializedMask(np.zeros((1, 1, 1, 8), dtype)), []),
+        "window_and_additive": (SlidingWindowCausalMask(7) & MaterializedMask(hidden_bias),
+                                [0, 5]),
+    }[kind]
     q = np.zeros((1, 1, 4), dtype)
     q[0, 0, 0] = 1
     k = randn(rng, (1, 8, 1, 4), dtype) * 0.1
     k[0, 3, 0, 0] = -1e5  # score -1e5: weight e^(s - M) == 0 exactly
     v = randn(rng, (1, 8, 1, 4), dtype)
     v[0, 3, 0, 1] = np.nan
-    if isinstance(mask, SlidingWindowCausalMask):
-        k[0, 0] = np.nan
-        v[0, 0] = np.nan
+    k[0, hidden] = np.nan
+    v[0, hidden] = np.nan
     for parts in (1, 2):
-        out = decode_attention(q, k, v, mask, scale=1.0, num_partitions=parts, config=SMALL)
+        out = decode_attention(q, k, v, mask, scale=1.0, num_partitions=parts, device=device,
+                               config=SMALL)
         assert np.isnan(out[0, 0, 1]) and np.isfinite(out[0, 0, [0, 2, 3]]).all()
         ref = numattn.reference.decode_attention(q, k, v, mask, scale=1.0)
         assert np.isnan(ref[0, 0, 1])
 
 
-def test_nan_in_a_partition_whose_weight_underflows_propagates(rng):
+def test_nan_in_a_partition_whose_weight_underflows_propagates(device, rng):
     """Split-K: a whole partition whose max is far below the others weighs exactly 0 in the
     merge; NaN in its visible rows must still reach the output."""
     q = np.zeros((1, 1, 4))
@@ -208,11 +269,11 @@ def test_nan_in_a_partition_whose_weight_underflows_propagates(rng):
     k[0, :4, 0, 0] = -1e5  # partition 0 (keys 0..3): every weight underflows
     v = randn(rng, (1, 8, 1, 4), np.float64)
     v[0, 2, 0, 3] = np.nan
-    out = decode_attention(q, k, v, scale=1.0, num_partitions=2, config=SMALL)
+    out = decode_attention(q, k, v, scale=1.0, num_partitions=2, device=device, config=SMALL)
     assert np.isnan(out[0, 0, 3]) and np.isfinite(out[0, 0, :3]).all()
 
 
-def test_additive_minus_inf_hides_nan_and_inf_keys(rng):
+def test_additive_minus_inf_hides_nan_and_inf_keys(device, rng):
     """-inf in an additive mask hides the key even when its score is NaN or inf."""
     q = randn(rng, (2, 4, 8), np.float64)
     k = randn(rng, (2, 9, 2, 8), np.float64)
@@ -227,7 +288,7 @@ def test_additive_minus_inf_hides_nan_and_inf_keys(rng):
     v[1, 6, 1] = np.nan
     for parts in (1, 3):
         out = decode_attention(q, k, v, MaterializedMask(bias), num_partitions=parts,
-                               config=SMALL)
+                               device=device, config=SMALL)
         assert_close(out, ref, np.float64)
 
 
@@ -247,19 +308,19 @@ def test_sinks_counted_once(dtype, rng):
             assert_close(lse, ref_lse, dtype)
 
 
-def test_sink_closed_form():
+def test_sink_closed_form(device):
     """scale = 0 and V = 1 at 64 keys: each head gives 64 / (64 + e^sigma)."""
     k = np.random.default_rng(1).standard_normal((1, 64, 1, 8))
     v = np.ones((1, 64, 1, 8))
     q = np.random.default_rng(2).standard_normal((1, 2, 8))
-    for parts in (1, 2, 5, 32):
+    for parts in (1, 2, 5, 32) if device == "cpu" else (1, 5):
         out = decode_attention(q, k, v, scale=0.0, sink_weights=np.array([5.0, 3.0]),
-                               num_partitions=parts, config=SMALL)
+                               num_partitions=parts, device=device, config=SMALL)
         np.testing.assert_allclose(out[0, :, 0], [64 / (64 + np.e**5), 64 / (64 + np.e**3)])
         np.testing.assert_allclose(out[0, :, 0], [0.3013, 0.7611], atol=5e-5)
 
 
-def test_rows_with_no_visible_key(rng):
+def test_rows_with_no_visible_key(device, rng):
     q = randn(rng, (2, 2, 4), np.float32)
     k = randn(rng, (2, 6, 1, 4), np.float32)
     bias = np.full((2, 1, 6), -np.inf, np.float32)
@@ -267,32 +328,35 @@ def test_rows_with_no_visible_key(rng):
     sinks = np.array([0.25, -1.0], np.float32)
     for parts in (1, 2):
         out, lse = decode_attention(q, k, k, bias, num_partitions=parts, return_lse=True,
-                                    config=SMALL)
+                                    device=device, config=SMALL)
         assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
         np.testing.assert_allclose(out[1], np.broadcast_to(k[1, 2, 0], (2, 4)), rtol=1e-6)
-        out, lse = decode_attention(q, k, k, bias, sink_weights=sinks, return_lse=True)
+        out, lse = decode_attention(q, k, k, bias, sink_weights=sinks, return_lse=True,
+                                    device=device, config=DEFAULT_TILES)
         assert np.all(out[0] == 0) and np.array_equal(lse[0], sinks)
     empty = np.zeros((2, 0, 1, 4), np.float32)  # dense with N = 0 keys
-    out, lse = decode_attention(q, empty, empty, return_lse=True)
+    out, lse = decode_attention(q, empty, empty, return_lse=True, device=device,
+                                config=DEFAULT_TILES)
     assert np.all(out == 0) and np.all(lse == -np.inf)
 
 
-def test_empty_batch():
+def test_empty_batch(device):
     q = np.zeros((0, 4, 8), np.float32)
     k = np.zeros((0, 5, 2, 8), np.float32)
-    out, lse = decode_attention(q, k, k, return_lse=True)
+    out, lse = decode_attention(q, k, k, return_lse=True, device=device)
     assert out.shape == (0, 4, 8) and lse.shape == (0, 4)
 
 
 @pytest.mark.parametrize("kind", ["continuous", "paged"])
-def test_additive_mask_shapes(kind, rng):
+def test_additive_mask_shapes(kind, device, rng):
     k, v = make_kv(rng, kind, [3, 10], [1, 1], 2, 8, np.float32, page_size=4)
     q = randn(rng, (2, 4, 8), np.float32)
     for shape in [(1, 11), (2, 1, 12), (2, 4, 1, 11)]:
         bias = randn(rng, shape, np.float32)
         bias[..., 1] = -np.inf
         ref = numattn.reference.decode_attention(q, k, v, MaterializedMask(bias))
-        out = decode_attention(q, k, v, MaterializedMask(bias), num_partitions=2, config=SMALL)
+        out = decode_attention(q, k, v, MaterializedMask(bias), num_partitions=2,
+                               device=device, config=SMALL)
         assert_close(out, ref, np.float32)
 
 
@@ -310,8 +374,7 @@ def test_additive_mask_must_have_one_query_row(rng):
 def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch):
     """Small calls run the partition kernel and the reduction on the calling thread; the
     results are the same bits as on the worker threads."""
-    from numattn.kernels.cpu import split_k as decode_module
-
+    decode_module = internals.cpu_split_k
     k, v = make_kv(rng, "paged", [100, 0, 64], [1, 1, 1], 2, 32, np.float32, page_size=16)
     q = randn(rng, (3, 8, 32), np.float32)
     sinks = randn(rng, (8,), np.float32)
@@ -332,9 +395,9 @@ def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch):
 def test_automatic_partition_count_follows_the_threads_that_run_it(rng, monkeypatch):
     """num_partitions=None: one partition per sequence for a call on the calling thread
     (more would only add merge work), several on the worker threads; right either way."""
-    from numattn.kernels.cpu import split_k as decode_module
-
-    counts = record_argument(monkeypatch, decode_module, "_partial_states_cpu", 11)  # parts
+    decode_module = internals.cpu_split_k
+    counts = record_argument(monkeypatch, decode_module, internals.partial_states_cpu.__name__,
+                             11)  # num_partitions
     k, v = make_kv(rng, "paged", [300, 250], [1, 1], 2, 32, np.float32, page_size=16)
     q = randn(rng, (2, 8, 32), np.float32)
     want = numattn.reference.decode_attention(q, k, v, CausalMask())
@@ -350,8 +413,7 @@ def test_automatic_partition_count_follows_the_threads_that_run_it(rng, monkeypa
 def test_row_prefetch_changes_no_bit(rng, monkeypatch):
     """The CPU kernel prefetches the first lines of rows of at least PREFETCH_MIN_ROW_BYTES
     (a hint): with and without it the results are the same bits, and right."""
-    from numattn.kernels.cpu import split_k as decode_module
-
+    decode_module = internals.cpu_split_k
     k, v = make_kv(rng, "paged", [300, 0, 129], [1, 1, 1], 2, 32, np.float32, page_size=16)
     q = randn(rng, (3, 8, 32), np.float32)
     results = []
@@ -369,8 +431,7 @@ def test_whole_tile_and_block_sums_agree(dtype, rng, monkeypatch):
     """Short rows sum an all-visible tile's weighted V rows over the whole tile, others
     block by block; both are right, with masked tiles (which always go block by block)
     among them."""
-    from numattn.kernels.cpu import split_k as decode_module
-
+    decode_module = internals.cpu_split_k
     k, v = make_kv(rng, "paged", [300, 1, 129], [1, 1, 1], 2, 16, dtype, page_size=16)
     q = randn(rng, (3, 12, 16), dtype)
     want = numattn.reference.decode_attention(q, k, v, SlidingWindowCausalMask(200))
@@ -386,11 +447,12 @@ def test_cpu_tiles_of_short_rows_are_longer():
     (at most MAX_TILE_MULTIPLE); partitions stay aligned to block_k."""
     from types import SimpleNamespace
 
-    from numattn.kernels.cpu.split_k import MAX_TILE_MULTIPLE, TILE_BYTES, _cpu_tile_keys
+    MAX_TILE_MULTIPLE = internals.cpu_split_k.MAX_TILE_MULTIPLE
+    TILE_BYTES = internals.cpu_split_k.TILE_BYTES
 
     def tile(kv_heads, head_dim, dtype, block_k=128):
         layout = SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim)
-        return _cpu_tile_keys(layout, np.dtype(dtype), block_k)
+        return internals.cpu_tile_keys(layout, np.dtype(dtype), block_k)
 
     assert tile(8, 128, np.float32) == 128  # rows of 4 KiB
     assert tile(1, 64, np.float32) == 1024  # 256 B: 1024 keys of 256 KiB
@@ -407,9 +469,9 @@ def test_scratch_starts_on_a_64_byte_boundary(dtype, rng, monkeypatch):
     kernel's queries and scores start on a cache line (NumPy's large arrays start 16 bytes
     past one, Numba's 32)."""
     from numattn.core.jit import cpu_jit
-    from numattn.kernels.cpu import split_k as decode_module
     from numattn.kernels.cpu.split_k import aligned_empty
 
+    decode_module = internals.cpu_split_k
     like = np.zeros(1, dtype)
     compiled = cpu_jit(aligned_empty)
     for size in (1, 7, 4096, 3 * 2**18 + 5):
@@ -418,13 +480,13 @@ def test_scratch_starts_on_a_64_byte_boundary(dtype, rng, monkeypatch):
             assert scratch.shape == (size,) and scratch.dtype == dtype
             assert scratch.ctypes.data % 64 == 0
     states = []
-    partial_states = decode_module._partial_states_cpu
+    partial_states = internals.partial_states_cpu
 
     def keep(*args):
         states.append(partial_states(*args))
         return states[-1]
 
-    monkeypatch.setattr(decode_module, "_partial_states_cpu", keep)
+    monkeypatch.setattr(decode_module, partial_states.__name__, keep)
     k, v = (randn(rng, (2, 1100, 8, 64), dtype) for _ in range(2))  # > SERIAL_KV_BYTES
     decode_attention(randn(rng, (2, 32, 64), dtype), k, v, num_partitions=3)
     part_acc = states[0][2]
@@ -437,9 +499,8 @@ def test_flash_sends_a_few_rows_per_sequence_to_these_kernels(rng, monkeypatch):
     most rows in use and a cache long for the rows, on decode's kernels; others on its own
     kernel.  Both agree with the reference (every flash and cross test also runs through
     both paths)."""
-    from numattn.kernels.cpu import flash as flash_module
-
-    routed = record_argument(monkeypatch, flash_module, "run_multi_query_cpu", 3)  # max_q_len
+    routed = record_argument(monkeypatch, internals.cpu_flash, "run_multi_query_cpu",
+                             3)  # max_q_len
 
     def run(q_lens, cache_len):
         offsets = np.concatenate([[0], np.cumsum(q_lens)])
@@ -502,14 +563,14 @@ def test_ragged_batch_on_the_worker_threads_is_dealt_by_keys(rng, monkeypatch):
     within one item of the others', and the results agree with the reference and bitwise
     with one thread and with the calling thread."""
     from numattn.core.jit import cpu_jit
-    from numattn.kernels.cpu import split_k as decode_module
-    from numattn.kernels.cpu.split_k import _partition_schedule, partition_bounds
+    from numattn.kernels.cpu.split_k import partition_bounds
 
+    decode_module = internals.cpu_split_k
     lengths = [700, 12, 0, 150, 333, 41]
     k, v = make_kv(rng, "paged", lengths, [1] * 6, 2, 32, np.float32, page_size=16)
     q = randn(rng, (6, 8, 32), np.float32)
     num_keys = np.array(lengths) + 1
-    order, starts = cpu_jit(_partition_schedule)(np.arange(7), num_keys, 3, 4, 4)
+    order, starts = cpu_jit(internals.partition_schedule)(np.arange(7), num_keys, 3, 4, 4)
     assert sorted(order) == list(range(18))
     cost = np.array([np.subtract(*partition_bounds(n, p, 3, 4)[::-1])
                      for n in num_keys for p in range(3)])
@@ -552,7 +613,9 @@ def test_out_may_be_q_k_or_v_but_not_the_sinks(rng):
     assert not out.any()
 
 
-def test_a_partition_of_zero_weights_still_carries_nan(rng):
+# The simulator multiplies NumPy scalars, which warn at 0 * inf (a GPU gives NaN quietly).
+@pytest.mark.filterwarnings("ignore:.*invalid value encountered:RuntimeWarning")
+def test_a_partition_of_zero_weights_still_carries_nan(device, rng):
     """Keys 4..7 are visible but score -inf (K holds +inf, q is negative there), and V of
     key 6 holds inf: its weight 0 times inf is NaN, whether or not split-K gives those keys
     a partition of their own (whose state then has m = -inf)."""
@@ -565,7 +628,7 @@ def test_a_partition_of_zero_weights_still_carries_nan(rng):
     ref = numattn.reference.decode_attention(q, k, v)
     assert np.isnan(ref[..., 2]).all() and np.isfinite(ref[..., [0, 1, 3]]).all()
     for parts in (1, 2):
-        out = decode_attention(q, k, v, num_partitions=parts, config=MHAConfig(block_k=4))
+        out = decode_attention(q, k, v, num_partitions=parts, device=device, config=SMALL)
         assert_close(out, ref, np.float32, what=f"{parts} partitions")
 
 
@@ -627,7 +690,7 @@ def test_cuda_request_without_a_gpu_says_so(rng):
         decode_attention(q, k, k, device="cuda")
 
 
-def test_a_fully_masked_row_gives_0_and_its_sink_logit_whatever_it_holds(rng):
+def test_a_fully_masked_row_gives_0_and_its_sink_logit_whatever_it_holds(device, rng):
     """No visible key: output 0 (never NaN) and lse = the sink logit, even -inf, NaN or
     inf (a -inf sink is no sink)."""
     q = rng.standard_normal((1, 4, 4)).astype(np.float32)
@@ -636,9 +699,77 @@ def test_a_fully_masked_row_gives_0_and_its_sink_logit_whatever_it_holds(rng):
     sinks = np.array([-np.inf, 0.5, np.nan, np.inf], np.float32)
     for parts in (1, 2):
         out, lse = decode_attention(q, kv, kv, hidden, sink_weights=sinks, return_lse=True,
-                                    num_partitions=parts, config=SMALL)
+                                    num_partitions=parts, device=device, config=SMALL)
         assert np.all(out == 0)
         assert np.array_equal(lse[0], sinks, equal_nan=True)
     ref, ref_lse = numattn.reference.decode_attention(q, kv, kv, hidden, sink_weights=sinks,
                                                       return_lse=True)
     assert np.all(ref == 0) and np.array_equal(ref_lse[0], sinks, equal_nan=True)
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA only: device arrays in place, launch geometry, every kernel compiled to PTX.
+# ------------------------------------------------------------------------------------------
+@requires_cuda
+def test_cuda_device_arrays_in_place_and_head_passes(rng, monkeypatch):
+    """Device inputs stay on the device; a tiny shared-memory budget forces one query head
+    per pass of a block (the path for very large GQA groups)."""
+    from numba import cuda
+
+    dtype = np.float64
+    k, v = make_kv(rng, "paged", [2, 7], [1, 1], 1, 3, dtype, page_size=4)
+    q = randn(rng, (2, 3, 3), dtype)
+    ref = numattn.reference.decode_attention(q, k, v, CausalMask())
+    per_head = (SMALL.block_k + SMALL.threads_per_block + 1) * 8
+    monkeypatch.setattr(internals.cuda_split_k, "CUDA_SHARED_BYTES", per_head)
+    dk = numattn.PagedKVCache(cuda.to_device(k.blocks), k.cache_lengths, k.lookup_table)
+    dv = numattn.PagedKVCache(cuda.to_device(v.blocks), v.cache_lengths, v.lookup_table)
+    d_out = cuda.device_array((2, 3, 3), dtype)
+    result = decode_attention(cuda.to_device(q), dk, dv, CausalMask(), out=d_out,
+                              num_partitions=2, config=SMALL)
+    assert result is d_out
+    assert_close(d_out.copy_to_host(), ref, dtype)
+    # cache lengths, page table and sinks as device arrays too (read back to the host for
+    # the checks; the simulator's arrays have no __cuda_array_interface__)
+    sinks = randn(rng, (3,), dtype)
+    ref = numattn.reference.decode_attention(q, k, v, CausalMask(), sink_weights=sinks)
+    d_lengths, d_table = cuda.to_device(k.cache_lengths), cuda.to_device(k.lookup_table)
+    dk = numattn.PagedKVCache(cuda.to_device(k.blocks), d_lengths, d_table)
+    dv = numattn.PagedKVCache(cuda.to_device(v.blocks), d_lengths, d_table)
+    result = decode_attention(cuda.to_device(q), dk, dv, CausalMask(),
+                              sink_weights=cuda.to_device(sinks), config=SMALL)
+    assert_close(result.copy_to_host(), ref, dtype)
+
+
+@requires_cuda
+def test_cuda_groups_larger_than_a_block_of_threads(rng):
+    """A KV head's query heads go through a block at most ``threads_per_block`` at a time:
+    with 34 query heads per KV head and 32 threads, heads 32 and 33 were never started
+    (garbage there, in the order of 1e300)."""
+    dtype = np.float64
+    k, v = make_kv(rng, "paged", [5, 0], [1, 1], 1, 2, dtype, page_size=4)
+    q = randn(rng, (2, 34, 2), dtype)
+    ref, ref_lse = numattn.reference.decode_attention(q, k, v, CausalMask(), return_lse=True)
+    out, lse = decode_attention(q, k, v, CausalMask(), device="cuda", return_lse=True,
+                                num_partitions=2, config=SMALL)
+    assert_close(out, ref, dtype)
+    assert_close(lse, ref_lse, dtype, what="lse")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_every_cuda_kernel_compiles_to_ptx(ptx_compiler, dtype):
+    from numba import types
+
+    real = getattr(types, dtype)
+
+    def arr(ndim, of=real):
+        return types.Array(of, ndim, "C")
+
+    index = types.int64
+    partitions = (
+        arr(3), arr(4), arr(4), index, arr(2, index), arr(1, index), arr(1, index),
+        arr(2, index), arr(4), types.boolean, real, index, index, index, arr(3), arr(3), arr(4),
+    )
+    ptx_compiler(internals.decode_partitions_cuda, partitions)
+    reduce = (arr(3), arr(3), arr(4), arr(1), types.boolean, arr(3), arr(2))
+    ptx_compiler(internals.decode_reduce_cuda, reduce)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import requires_cuda
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -68,6 +70,28 @@ def test_bench_decode_script_runs_a_case_on_one_thread():
     result = subprocess.run([sys.executable, str(script), "--threads", "0"],
                             capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 2 and "--threads: must be at least 1, got 0" in result.stderr
+
+
+@requires_cuda
+def test_gpu_check_script_runs_end_to_end(capsys):
+    """benchmarks/gpu_check.py, the one command to run when a GPU is lent, gets through its
+    check and its benchmark table (tiny shapes here), and counts partitions as integers for
+    the full-size shapes too."""
+    import importlib.util
+
+    from numattn import MHAConfig
+    from numattn.core.device import require_cuda
+
+    path = ROOT / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.main(["--tiny"]) == 0
+    printed = capsys.readouterr().out
+    assert "check: all ok" in printed and "of copy bw" in printed
+    for num_keys in (4096, 32768):
+        parts = gpu_check._auto_partitions(require_cuda(), num_keys, 8 * 8, MHAConfig())
+        assert type(parts) is int and parts >= 1
 
 
 @pytest.mark.parametrize("script, flag", [

@@ -28,12 +28,18 @@ from numattn import (
 )
 from numattn.flash import flash_attention_kv_cache
 
+from . import internals
+from .conftest import CPU_PATHS, use_device
 from .utils import CACHE_KINDS, assert_close, make_kv, randn
 
 DTYPES = (np.float32, np.float64)
 
-#: every test runs through both CPU paths (see conftest.both_cpu_paths)
-pytestmark = pytest.mark.usefixtures("both_cpu_paths")
+
+@pytest.fixture(params=CPU_PATHS)
+def device(request, monkeypatch):
+    """Numeric tests run through both CPU paths (flash runs on the CPU only, for now)."""
+    return use_device(request.param, monkeypatch)
+
 
 MASKS = {
     "null": lambda s, n: NullMask(),
@@ -52,11 +58,18 @@ def _additive(rng, shape, dtype):
     return t
 
 
-def _check(rng, q, k, v, mask, dtype, *, q_offsets=None, kv_offsets=None, sinks=None,
+def flash(device, *args, **kwargs):
+    """flash_attention_kv_cache on ``device``: the CPU only, for now (the operation takes no
+    ``device`` yet; when it does, pass it on here and add ``cuda_param()`` to ``device``)."""
+    assert device == "cpu", device
+    return flash_attention_kv_cache(*args, **kwargs)
+
+
+def _check(device, rng, q, k, v, mask, dtype, *, q_offsets=None, kv_offsets=None, sinks=None,
            config=None, scale=None):
-    got, lse = flash_attention_kv_cache(
-        q, k, v, mask, scale, q_input_row_offsets=q_offsets, kv_input_row_offsets=kv_offsets,
-        sink_weights=sinks, return_lse=True, config=config,
+    got, lse = flash(
+        device, q, k, v, mask, scale, q_input_row_offsets=q_offsets,
+        kv_input_row_offsets=kv_offsets, sink_weights=sinks, return_lse=True, config=config,
     )
     want, want_lse = reference.flash_attention_kv_cache(
         q, k, v, mask, scale, q_input_row_offsets=q_offsets, kv_input_row_offsets=kv_offsets,
@@ -74,7 +87,7 @@ def _check(rng, q, k, v, mask, dtype, *, q_offsets=None, kv_offsets=None, sinks=
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", CACHE_KINDS)
 @pytest.mark.parametrize("mask_name", list(MASKS))
-def test_masks_caches_dtypes(rng, mask_name, kind, dtype):
+def test_masks_caches_dtypes(device, rng, mask_name, kind, dtype):
     group = [1, 2, 3, 4][(len(mask_name) + len(kind)) % 4]
     hkv, d = 2, 16
     h = hkv * group
@@ -86,7 +99,7 @@ def test_masks_caches_dtypes(rng, mask_name, kind, dtype):
         k, v = make_kv(rng, "dense", [0] * b, [n] * b, hkv, d, dtype)
         mask = (_additive(rng, (b, h, s, n), dtype) if mask_name == "additive"
                 else MASKS[mask_name](s, n))
-        _check(rng, q, k, v, mask, dtype, sinks=sinks, config=config)
+        _check(device, rng, q, k, v, mask, dtype, sinks=sinks, config=config)
         return
     cache_lengths = [0, 5, 13]
     q_lens = [3, 0, 8]
@@ -98,17 +111,17 @@ def test_masks_caches_dtypes(rng, mask_name, kind, dtype):
         mask = MaterializedMask(_additive(rng, (3, h, max(q_lens), n_max), dtype)) & CausalMask()
     else:
         mask = MASKS[mask_name](max(q_lens), n_max)
-    _check(rng, q, k, v, mask, dtype, q_offsets=offsets, sinks=sinks, config=config)
+    _check(device, rng, q, k, v, mask, dtype, q_offsets=offsets, sinks=sinks, config=config)
 
 
 @pytest.mark.parametrize("shape", ["sn", "bsn", "bhsn"])
-def test_additive_mask_shapes_padded(rng, shape):
+def test_additive_mask_shapes_padded(device, rng, shape):
     dtype = np.float32
     b, s, n, h, hkv, d = 2, 5, 11, 4, 2, 8
     q = randn(rng, (b, s, h, d), dtype)
     k, v = make_kv(rng, "paged", [6, 2], [s, s], hkv, d, dtype, page_size=3)
     dims = {"sn": (s, n), "bsn": (b, s, n), "bhsn": (b, h, s, n)}[shape]
-    _check(rng, q, k, v, _additive(rng, dims, dtype), dtype)
+    _check(device, rng, q, k, v, _additive(rng, dims, dtype), dtype)
 
 
 def test_padded_additive_mask_must_have_q_rows(rng):
@@ -118,7 +131,7 @@ def test_padded_additive_mask_must_have_q_rows(rng):
         flash_attention_kv_cache(q, kv, kv, randn(rng, (2, 4, 5), np.float32))
 
 
-def test_ragged_kv_arrays_with_own_offsets(rng):
+def test_ragged_kv_arrays_with_own_offsets(device, rng):
     dtype = np.float64
     q_lens, kv_lens = [2, 0, 5, 3], [7, 3, 5, 0]
     qo = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -127,75 +140,74 @@ def test_ragged_kv_arrays_with_own_offsets(rng):
     k = randn(rng, (ko[-1], 3, 12), dtype)
     v = randn(rng, (ko[-1], 3, 12), dtype)
     for mask in (CausalMask(), NullMask(), SlidingWindowCausalMask(2)):
-        _check(rng, q, k, v, mask, dtype, q_offsets=qo, kv_offsets=ko)
+        _check(device, rng, q, k, v, mask, dtype, q_offsets=qo, kv_offsets=ko)
     # Without kv offsets the q offsets split K/V.
     k2 = randn(rng, (qo[-1], 3, 12), dtype)
-    _check(rng, q, k2, k2, CausalMask(), dtype, q_offsets=qo)
+    _check(device, rng, q, k2, k2, CausalMask(), dtype, q_offsets=qo)
 
 
-def test_caches_with_kv_offsets(rng):
+def test_caches_with_kv_offsets(device, rng):
     dtype = np.float32
     q_lens, kv_lens, cache_lengths = [1, 4], [3, 4], [2, 9]
     qo = np.concatenate([[0], np.cumsum(q_lens)])
     ko = np.concatenate([[0], np.cumsum(kv_lens)])
     q = randn(rng, (qo[-1], 2, 8), dtype)
     k, v = make_kv(rng, "paged", cache_lengths, kv_lens, 1, 8, dtype, page_size=2)
-    _check(rng, q, k, v, CausalMask(), dtype, q_offsets=qo, kv_offsets=ko)
+    _check(device, rng, q, k, v, CausalMask(), dtype, q_offsets=qo, kv_offsets=ko)
 
 
 # ------------------------------------------------------------------------------------------
 # Shapes: head dims, cache lengths crossing pages, empty sequences and batches
 # ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("d", [1, 63, 80, 128, 300])
-def test_head_dims(rng, d):
+def test_head_dims(device, rng, d):
     dtype = np.float32
     q = randn(rng, (2, 6, 4, d), dtype)
     k, v = make_kv(rng, "continuous", [0, 19], [6, 6], 4, d, dtype)
-    _check(rng, q, k, v, CausalMask(), dtype)
+    _check(device, rng, q, k, v, CausalMask(), dtype)
 
 
-def test_long_paged_sequences_cross_pages(rng):
+def test_long_paged_sequences_cross_pages(device, rng):
     """Cache lengths 0 and several pages, default tiles, GQA 4 (the one larger case)."""
     dtype = np.float32
     cache_lengths, q_lens = [0, 700, 131], [300, 5, 129]
     offsets = np.concatenate([[0], np.cumsum(q_lens)])
     q = randn(rng, (offsets[-1], 8, 64), dtype)
     k, v = make_kv(rng, "paged", cache_lengths, q_lens, 2, 64, dtype, page_size=128)
-    _check(rng, q, k, v, CausalMask(), dtype, q_offsets=offsets,
+    _check(device, rng, q, k, v, CausalMask(), dtype, q_offsets=offsets,
            sinks=randn(rng, (8,), dtype))
-    _check(rng, q, k, v, SlidingWindowCausalMask(200), dtype, q_offsets=offsets)
+    _check(device, rng, q, k, v, SlidingWindowCausalMask(200), dtype, q_offsets=offsets)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])
-def test_page_sizes(rng, page_size):
+def test_page_sizes(device, rng, page_size):
     dtype = np.float64
     q = randn(rng, (2, 7, 2, 5), dtype)
     k, v = make_kv(rng, "paged", [10, 0], [7, 7], 1, 5, dtype, page_size=page_size)
-    _check(rng, q, k, v, ChunkedCausalMask(4), dtype)
+    _check(device, rng, q, k, v, ChunkedCausalMask(4), dtype)
 
 
-def test_empty_inputs(rng):
+def test_empty_inputs(device, rng):
     dtype = np.float32
     # No sequences at all.
     q = np.zeros((0, 4, 2, 8), dtype)
     k = np.zeros((0, 3, 1, 8), dtype)
-    out, lse = flash_attention_kv_cache(q, k, k, CausalMask(), return_lse=True)
+    out, lse = flash(device, q, k, k, CausalMask(), return_lse=True)
     assert out.shape == (0, 4, 2, 8) and lse.shape == (0, 4, 2)
     # Ragged batch whose every sequence is empty, over a cache with tokens.
     k, v = make_kv(rng, "paged", [4, 0], [0, 0], 1, 8, dtype)
     q = np.zeros((0, 2, 8), dtype)
-    out = flash_attention_kv_cache(q, k, v, None, q_input_row_offsets=[0, 0, 0])
+    out = flash(device, q, k, v, None, q_input_row_offsets=[0, 0, 0])
     assert out.shape == (0, 2, 8)
     # Zero keys: output 0 and lse -inf; with a sink, lse is the sink logit.
     q = randn(rng, (2, 1, 8), dtype)
     kv = np.zeros((0, 1, 8), dtype)
-    out, lse = flash_attention_kv_cache(q, kv, kv, None, q_input_row_offsets=[0, 2],
-                                        kv_input_row_offsets=[0, 0], return_lse=True)
+    out, lse = flash(device, q, kv, kv, None, q_input_row_offsets=[0, 2],
+                     kv_input_row_offsets=[0, 0], return_lse=True)
     assert np.array_equal(out, np.zeros_like(out)) and np.all(lse == -np.inf)
     sinks = np.array([1.5], dtype)
-    out, lse = flash_attention_kv_cache(q, kv, kv, None, q_input_row_offsets=[0, 2],
-                                        kv_input_row_offsets=[0, 0], sink_weights=sinks,
-                                        return_lse=True)
+    out, lse = flash(device, q, kv, kv, None, q_input_row_offsets=[0, 2],
+                     kv_input_row_offsets=[0, 0], sink_weights=sinks, return_lse=True)
     assert np.array_equal(out, np.zeros_like(out)) and np.all(lse == dtype(1.5))
 
 
@@ -203,24 +215,24 @@ def test_empty_inputs(rng):
 # Sinks
 # ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n_keys", [1, 127, 128, 129, 700])
-def test_sinks_counted_once(rng, n_keys):
+def test_sinks_counted_once(device, rng, n_keys):
     dtype = np.float64
     q = randn(rng, (1, 3, 4, 16), dtype)
     q_len = min(3, n_keys)
     q = q[:, :q_len]
     k, v = make_kv(rng, "paged", [n_keys - q_len], [q_len], 2, 16, dtype, page_size=128)
     sinks = np.array([0.5, -2.0, 3.0, 8.0])
-    _check(rng, q, k, v, CausalMask(), dtype, sinks=sinks)
+    _check(device, rng, q, k, v, CausalMask(), dtype, sinks=sinks)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sink_closed_form(dtype):
+def test_sink_closed_form(device, dtype):
     """scale = 0 and V = 1 over 64 keys: each head gives 64 / (64 + e^sigma)."""
     q = np.ones((1, 1, 2, 8), dtype)
     k = np.ones((1, 64, 1, 8), dtype)
     sinks = np.array([5.0, 3.0], dtype)
-    out, lse = flash_attention_kv_cache(q, k, k, None, 0.0, sink_weights=sinks,
-                                        return_lse=True, config=MHAConfig(block_k=16))
+    out, lse = flash(device, q, k, k, None, 0.0, sink_weights=sinks, return_lse=True,
+                     config=MHAConfig(block_k=16))
     expected = 64 / (64 + np.exp([5.0, 3.0]))
     np.testing.assert_allclose(expected, [0.3013, 0.7611], atol=1e-4)
     np.testing.assert_allclose(out[0, 0, :, 0], expected, rtol=1e-6)
@@ -232,7 +244,7 @@ def test_sink_closed_form(dtype):
 # NaN and inf: unused, hidden and visible slots; fully masked rows
 # ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["continuous", "paged"])
-def test_nan_in_unused_and_hidden_slots(rng, kind):
+def test_nan_in_unused_and_hidden_slots(device, rng, kind):
     dtype = np.float32
     cache_lengths, q_lens = [20, 9], [6, 6]
     q = randn(rng, (2, 6, 2, 8), dtype)
@@ -246,37 +258,37 @@ def test_nan_in_unused_and_hidden_slots(rng, kind):
                 blocks[x.lookup_table[0, t // 4], t % 4] = np.nan
             else:
                 blocks[x.lookup_table[0], t] = np.nan
-    out, _ = _check(rng, q, k, v, SlidingWindowCausalMask(4), dtype,
+    out, _ = _check(device, rng, q, k, v, SlidingWindowCausalMask(4), dtype,
                     config=MHAConfig(block_q=3, block_k=5))
     assert np.all(np.isfinite(out))
 
 
 @pytest.mark.parametrize("config", [None, MHAConfig(block_q=3, block_k=5)])
-def test_nan_shared_tile_reaches_only_rows_that_see_it(rng, config):
+def test_nan_shared_tile_reaches_only_rows_that_see_it(device, rng, config):
     """A NaN key/value in a partially masked tile: rows that see it give NaN, others not."""
     dtype = np.float32
     q = randn(rng, (1, 6, 2, 8), dtype)
     k, v = make_kv(rng, "paged", [20], [6], 1, 8, dtype, page_size=4)
     for x, t in ((v, 18), (k, 15)):  # V of key 18 (seen by queries 20, 21), K of key 15
         x.blocks[x.lookup_table[0, t // 4], t % 4, 0, 3] = np.nan
-    out, _ = _check(rng, q, k, v, SlidingWindowCausalMask(4), dtype, config=config)
+    out, _ = _check(device, rng, q, k, v, SlidingWindowCausalMask(4), dtype, config=config)
     assert np.all(np.isnan(out[0, :2, :, 3])) and np.all(np.isfinite(out[0, 2:]))
 
 
-def test_nan_in_visible_value_propagates(rng):
+def test_nan_in_visible_value_propagates(device, rng):
     dtype = np.float64
     q = randn(rng, (1, 6, 2, 4), dtype)
     k = randn(rng, (1, 6, 1, 4), dtype)
     v = randn(rng, (1, 6, 1, 4), dtype)
     v[0, 3, 0, 1] = np.nan
     for config in (MHAConfig(), MHAConfig(block_q=2, block_k=2)):
-        out, _ = _check(rng, q, k, v, CausalMask(), dtype, config=config)
+        out, _ = _check(device, rng, q, k, v, CausalMask(), dtype, config=config)
         assert np.all(np.isnan(out[0, 3:, :, 1])) and np.all(np.isfinite(out[0, :3]))
         assert np.all(np.isfinite(out[..., [0, 2, 3]]))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_nan_scores_of_either_sign_propagate(rng, dtype):
+def test_nan_scores_of_either_sign_propagate(device, rng, dtype):
     """``inf - inf`` in a dot product gives a NaN with the sign bit set on x86: the tile
     maximum (taken on integer images of the scores) once ranked it below -inf, so a row
     whose only visible scores were such NaNs came out as a row with no visible key."""
@@ -288,13 +300,13 @@ def test_nan_scores_of_either_sign_propagate(rng, dtype):
     with np.errstate(invalid="ignore"):
         assert np.isnan(q[0, 0, 0] @ k[0, 0, 0])
     for sinks in (None, np.array([0.5, -1.0], dtype)):
-        out, lse = _check(rng, q, k, v, CausalMask(), dtype, sinks=sinks)
+        out, lse = _check(device, rng, q, k, v, CausalMask(), dtype, sinks=sinks)
         assert np.isnan(out[0, 0, 0]).all() and np.isnan(lse[0, 0, 0])
         assert np.isfinite(out[0, 0, 1]).all() and np.isfinite(out[0, 1:]).all()
 
 
 @pytest.mark.parametrize("form", ["materialized", "plain", "and_causal"])
-def test_additive_minus_inf_hides_nan_and_inf_keys(rng, form):
+def test_additive_minus_inf_hides_nan_and_inf_keys(device, rng, form):
     """-inf in an additive mask hides a key even when its K row holds NaN or inf (the score
     plus -inf would be NaN)."""
     dtype = np.float64
@@ -313,7 +325,7 @@ def test_additive_minus_inf_hides_nan_and_inf_keys(rng, form):
     v[1, 5, 1] = np.nan
     assert np.isfinite(reference.flash_attention_kv_cache(q, k, v, mask)).all()
     for config in (None, MHAConfig(block_q=2, block_k=3)):
-        assert_close(flash_attention_kv_cache(q, k, v, mask, config=config), want, dtype)
+        assert_close(flash(device, q, k, v, mask, config=config), want, dtype)
 
 
 def test_zero_head_dim_is_rejected():
@@ -323,17 +335,17 @@ def test_zero_head_dim_is_rejected():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fully_masked_rows(rng, dtype):
+def test_fully_masked_rows(device, rng, dtype):
     # Padded dense K shorter than the queries: the first rows sit at negative positions.
     q = randn(rng, (1, 6, 2, 8), dtype)
     k = randn(rng, (1, 3, 2, 8), dtype)
-    out, lse = _check(rng, q, k, k, CausalMask(), dtype)
+    out, lse = _check(device, rng, q, k, k, CausalMask(), dtype)
     assert np.all(out[0, :3] == 0) and np.all(lse[0, :3] == -np.inf)
     # An additive mask that hides a whole row, with a sink on head 1.
     bias = np.zeros((6, 3), dtype)
     bias[4] = -np.inf
     sinks = np.array([-1.5, 0.25], dtype)
-    out, lse = _check(rng, q, k, k, bias, dtype, sinks=sinks)
+    out, lse = _check(device, rng, q, k, k, bias, dtype, sinks=sinks)
     assert np.all(out[0, 4] == 0)
     assert np.array_equal(lse[0, 4], sinks)
 
@@ -341,15 +353,15 @@ def test_fully_masked_rows(rng, dtype):
 # ------------------------------------------------------------------------------------------
 # out=, configurations, scale, determinism
 # ------------------------------------------------------------------------------------------
-def test_out_and_return_lse(rng):
+def test_out_and_return_lse(device, rng):
     dtype = np.float32
     q = randn(rng, (2, 5, 4, 8), dtype)
     k, v = make_kv(rng, "continuous", [3, 0], [5, 5], 2, 8, dtype)
     out = np.full_like(q, 7.0)
-    got = flash_attention_kv_cache(q, k, v, CausalMask(), out=out)
+    got = flash(device, q, k, v, CausalMask(), out=out)
     assert got is out
     assert_close(out, reference.flash_attention_kv_cache(q, k, v, CausalMask()), dtype)
-    got, lse = flash_attention_kv_cache(q, k, v, CausalMask(), out=out, return_lse=True)
+    got, lse = flash(device, q, k, v, CausalMask(), out=out, return_lse=True)
     assert got is out and lse.shape == (2, 5, 4)
 
 
@@ -372,7 +384,7 @@ def test_bad_out(rng, bad_out, error):
     assert np.array_equal(np.asarray(bad_out), before)
 
 
-def test_out_may_be_q_but_not_what_the_kernel_reads_while_writing(rng):
+def test_out_may_be_q_but_not_what_the_kernel_reads_while_writing(device, rng):
     """out=q computes in place (a tile of queries is read before its outputs are written);
     out sharing memory with K, V, the additive mask or the sinks is refused, as the kernel
     would read values it has overwritten (it did: out=k gave errors of 0.6)."""
@@ -384,7 +396,7 @@ def test_out_may_be_q_but_not_what_the_kernel_reads_while_writing(rng):
     config = MHAConfig(block_q=16, block_k=16)
     expected = reference.flash_attention_kv_cache(q, k, v, CausalMask())
     in_place = q.copy()
-    got = flash_attention_kv_cache(in_place, k, v, CausalMask(), out=in_place, config=config)
+    got = flash(device, in_place, k, v, CausalMask(), out=in_place, config=config)
     assert got is in_place
     assert_close(got, expected, dtype)
     for name, out, kwargs in [
@@ -397,8 +409,8 @@ def test_out_may_be_q_but_not_what_the_kernel_reads_while_writing(rng):
             kwargs = {"sink_weights": out.reshape(-1)[5:5 + h]}
         before = out.copy()
         with pytest.raises(ValueError, match=f"out must not overlap {name}"):
-            flash_attention_kv_cache(q, k, v, kwargs.pop("mask", CausalMask()), out=out,
-                                     config=config, **kwargs)
+            flash(device, q, k, v, kwargs.pop("mask", CausalMask()), out=out, config=config,
+                  **kwargs)
         assert np.array_equal(out, before)
     # q itself, but not a view of q's memory shifted by a row (the outputs of a tile would
     # land on queries not yet read: errors of 2.7 before this was checked)
@@ -406,14 +418,14 @@ def test_out_may_be_q_but_not_what_the_kernel_reads_while_writing(rng):
     shifted_q, shifted_out = memory[:q.size].reshape(q.shape), memory[d:].reshape(q.shape)
     before = memory.copy()
     with pytest.raises(ValueError, match=r"out must not overlap q \(other than as q itself"):
-        flash_attention_kv_cache(shifted_q, k, v, CausalMask(), out=shifted_out, config=config)
+        flash(device, shifted_q, k, v, CausalMask(), out=shifted_out, config=config)
     assert np.array_equal(memory, before)
     same_q = q.copy()
-    got = flash_attention_kv_cache(same_q, k, v, CausalMask(), out=same_q[...], config=config)
+    got = flash(device, same_q, k, v, CausalMask(), out=same_q[...], config=config)
     assert_close(got, expected, dtype)
 
 
-def test_configs_agree(rng):
+def test_configs_agree(device, rng):
     dtype = np.float64
     q = randn(rng, (2, 37, 6, 16), dtype)
     k, v = make_kv(rng, "paged", [50, 3], [37, 37], 2, 16, dtype, page_size=8)
@@ -421,17 +433,17 @@ def test_configs_agree(rng):
     masks = (SlidingWindowCausalMask(20) | ChunkedMask(16),
              ChunkedCausalMask(24) & SlidingWindowCausalMask(20) & ChunkedMask(32))
     for mask in masks:
-        _check_configs(q, k, v, mask, sinks, dtype)
+        _check_configs(device, q, k, v, mask, sinks, dtype)
     # An additive tensor composed with a window, split into sub-tiles by a tall block_q.
     bias = MaterializedMask(_additive(rng, (2, 37, 87), dtype)) & SlidingWindowCausalMask(40)
     want = reference.flash_attention_kv_cache(q, k, v, bias)
     for config in (None, MHAConfig(block_q=64, block_k=16)):
-        assert_close(flash_attention_kv_cache(q, k, v, bias, config=config), want, dtype)
+        assert_close(flash(device, q, k, v, bias, config=config), want, dtype)
 
 
-def _check_configs(q, k, v, mask, sinks, dtype):
+def _check_configs(device, q, k, v, mask, sinks, dtype):
     results = [
-        flash_attention_kv_cache(q, k, v, mask, 0.3, sink_weights=sinks, config=config)
+        flash(device, q, k, v, mask, 0.3, sink_weights=sinks, config=config)
         for config in (None, MHAConfig(block_q=1, block_k=1), MHAConfig(block_q=7, block_k=5),
                        MHAConfig(block_q=64, block_k=200))
     ]
@@ -473,12 +485,12 @@ def test_bitwise_deterministic_across_thread_counts():
     assert len(digests[0]) == len(hashlib.sha256().hexdigest())
 
 
+@pytest.mark.usefixtures("both_cpu_paths")
 @pytest.mark.parametrize("mask", [CausalMask(), SlidingWindowCausalMask(9)], ids=repr)
 def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch, mask):
     """Small calls run on the calling thread (waking the workers would cost more than the
     work); the kernel and the split of the work are the same, and so are the results."""
-    from numattn.kernels.cpu import flash as flash_module
-
+    flash_module = internals.cpu_flash
     dtype = np.float32
     cache_lengths, q_lens = [0, 40, 7], [9, 3, 70]
     offsets = np.concatenate([[0], np.cumsum(q_lens)])
@@ -499,12 +511,12 @@ def test_calling_thread_and_worker_threads_agree_bitwise(rng, monkeypatch, mask)
     assert_close(results[1][1], want_lse, dtype, what="lse")
 
 
-def test_scale_default_and_explicit(rng):
+def test_scale_default_and_explicit(device, rng):
     dtype = np.float32
     q = randn(rng, (1, 4, 2, 9), dtype)
     k = randn(rng, (1, 4, 2, 9), dtype)
-    a = flash_attention_kv_cache(q, k, k, None)
-    b = flash_attention_kv_cache(q, k, k, None, 1 / 3)
+    a = flash(device, q, k, k, None)
+    b = flash(device, q, k, k, None, 1 / 3)
     assert_close(a, reference.flash_attention_kv_cache(q, k, k, None), dtype)
     np.testing.assert_array_equal(a, b)
 
@@ -671,7 +683,7 @@ def test_visible_span_matches_mask_visible():
                     assert OP_OR in program[:, 0]
 
 
-def test_a_fully_masked_row_gives_0_and_its_sink_logit_whatever_it_holds(rng):
+def test_a_fully_masked_row_gives_0_and_its_sink_logit_whatever_it_holds(device, rng):
     """No visible key: output 0 (never NaN) and lse = the sink logit, even -inf, NaN or
     inf (a -inf sink is no sink); rows with visible keys and such a sink follow the formula
     (NaN and inf propagate)."""
@@ -680,7 +692,7 @@ def test_a_fully_masked_row_gives_0_and_its_sink_logit_whatever_it_holds(rng):
     bias = np.zeros((3, 3), np.float32)
     bias[1] = -np.inf
     sinks = np.array([-np.inf, 0.5, np.nan, np.inf], np.float32)
-    out, lse = flash_attention_kv_cache(q, kv, kv, bias, sink_weights=sinks, return_lse=True)
+    out, lse = flash(device, q, kv, kv, bias, sink_weights=sinks, return_lse=True)
     assert np.all(out[0, 1] == 0) and np.array_equal(lse[0, 1], sinks, equal_nan=True)
     ref, ref_lse = reference.flash_attention_kv_cache(q, kv, kv, bias, sink_weights=sinks,
                                                       return_lse=True)

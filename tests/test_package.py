@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import shutil
@@ -16,6 +17,7 @@ import numattn
 from numattn.core import jit as _jit
 from numattn.kernels.shared.softmax import exp_diff, finish_row, max_nan
 
+from . import internals
 from .conftest import CUDASIM
 
 
@@ -177,12 +179,13 @@ def test_cuda_needs_numba_cuda(monkeypatch):
         _cuda.get_cuda.cache_clear()
 
 
-_REDUCE_ONCE = """
+_REDUCE = internals.decode_reduce_cpu
+_REDUCE_ONCE = f"""
 import sys
 import numpy as np
 from numattn.core.jit import cpu_jit
-from numattn.kernels.cpu.split_k import _decode_reduce_cpu
-kernel = cpu_jit(_decode_reduce_cpu, parallel=sys.argv[1] == "parallel")
+from {_REDUCE.__module__} import {_REDUCE.__name__} as reduce
+kernel = cpu_jit(reduce, parallel=sys.argv[1] == "parallel")
 m = np.zeros((1, 2, 3), np.float32)
 kernel(m, np.ones_like(m), np.ones((1, 2, 3, 4), np.float32), np.zeros(3, np.float32), False,
        np.empty((1, 3, 4), np.float32), np.empty((1, 3), np.float32))
@@ -208,7 +211,7 @@ def test_serial_and_parallel_bindings_keep_apart_in_the_disk_cache(tmp_path):
 
 def test_a_changed_callee_source_makes_cached_kernels_compile_again(tmp_path):
     """Numba checks a cached kernel against its own file only: after an edit of a module
-    whose bodies it calls (here ``_softmax``, of the reduction's merge weights), a later
+    whose bodies it calls (here that of the reduction's rows and merge weights), a later
     process must compile the kernel again, not load it as it was."""
     package = tmp_path / "pkg" / "numattn"
     shutil.copytree(Path(numattn.__file__).parent, package,
@@ -224,7 +227,9 @@ def test_a_changed_callee_source_makes_cached_kernels_compile_again(tmp_path):
         return int(result.stdout.split()[-1])
 
     assert cache_hits() == 0 and cache_hits() == 1  # compiled, then loaded
-    with open(package / "_softmax.py", "a") as source:
+    callee = Path(inspect.getfile(finish_row)).relative_to(Path(numattn.__file__).parent)
+    assert callee != Path(inspect.getfile(_REDUCE)).relative_to(Path(numattn.__file__).parent)
+    with open(package / callee, "a") as source:
         source.write("\n# an edit\n")
     assert cache_hits() == 0  # compiled again
     assert cache_hits() == 1

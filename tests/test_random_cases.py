@@ -5,9 +5,10 @@ once (mask trees and additive tensors, cache kinds and page sizes, GQA groups, h
 dtypes, sinks, scales, partition counts, tile sizes, empty sequences, NaN in unused slots)
 so that their interactions are covered too; other cases corrupt one index entry (cache
 lengths, page table, offsets), which must be refused before anything is written or be
-harmless.  A case is named by its seed, which reproduces it:
-``pytest "tests/test_random_cases.py::test_random_case[decode-17]"``.  After a change to a
-kernel, run many more: ``NUMATTN_RANDOM_CASES=5000 pytest tests/test_random_cases.py``.
+harmless.  A case is named by its device, operation and seed, which reproduce it:
+``pytest "tests/test_random_cases.py::test_random_case[cpu-decode-17]"``.  After a change to
+a kernel, run many more: ``NUMATTN_RANDOM_CASES=5000 pytest tests/test_random_cases.py``.
+CUDA runs a tenth of the seeds, on tiny shapes (the simulator runs kernels as Python).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from numattn import (
     reference,
 )
 
-from .conftest import requires_cuda
+from .conftest import CPU_PATHS, on_devices
 from .utils import assert_close, make_kv, randn
 
 SEEDS = range(int(os.environ.get("NUMATTN_RANDOM_CASES", "100")))
@@ -131,7 +132,8 @@ def _decode_case(seed, device="cpu"):
     _compare(got, want, dtype)
 
 
-def _flash_case(seed):
+def _flash_case(seed, device="cpu"):
+    assert device == "cpu"  # flash_attention_kv_cache runs on the CPU only, for now
     draw = _Draw(seed)
     dtype = draw.dtype()
     batch = int(draw.rng.integers(0, 4))
@@ -243,23 +245,21 @@ def _corrupted_case(seed, device="cpu"):
     assert_close(got, call(reference), np.float32)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("case", [_decode_case, _corrupted_case],
-                         ids=["decode", "corrupted_indices"])
-def test_random_case(case, seed):
-    case(seed)
+CASES = {"decode": _decode_case, "flash": _flash_case, "cross": _cross_case,
+         "corrupted_indices": _corrupted_case}
 
 
-@pytest.mark.usefixtures("both_cpu_paths")
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("case", [_flash_case, _cross_case], ids=["flash", "cross"])
-def test_random_case_both_cpu_paths(case, seed):
-    case(seed)
+def _cases(names, cpu):
+    """(device, case, seed) for the cases ``names``: every seed on each CPU device of ``cpu``,
+    a tenth of them on CUDA (flash runs on the CPU only, for now)."""
+    return on_devices([(name, seed) for name in names for seed in SEEDS],
+                      [(name, seed) for name in names if name != "flash" for seed in CUDA_SEEDS],
+                      cpu=cpu)
 
 
-@requires_cuda
-@pytest.mark.parametrize("seed", CUDA_SEEDS)
-@pytest.mark.parametrize("case", [_decode_case, _cross_case, _corrupted_case],
-                         ids=["decode", "cross", "corrupted_indices"])
-def test_random_case_cuda(case, seed):
-    case(seed, device="cuda")
+@pytest.mark.parametrize(("device", "case", "seed"), [
+    *_cases(["decode", "corrupted_indices"], cpu=["cpu"]),
+    *_cases(["flash", "cross"], cpu=CPU_PATHS),  # through both CPU paths
+], indirect=["device"])
+def test_random_case(case, seed, device):
+    CASES[case](seed, device=device)

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from numattn.kernels.cpu import simd as _simd
-from numattn.kernels.cpu.split_k import PREFETCH_KEYS, _block_rows, _tile_rows
 
+from . import internals
 from .utils import assert_close, randn
+
+PREFETCH_KEYS = internals.cpu_split_k.PREFETCH_KEYS
 
 WIDTHS = [16, 32, 64]
 #: (vector bytes, bytes ahead the blocks ask for rows' lines): every width with the requests
@@ -81,12 +83,12 @@ def kernels(vector_bytes, prefetch_bytes=_simd.STREAM_PREFETCH_BYTES):
 
 
 def head_blocks(num_heads, group):
-    """``[first head, rows]`` of each block, as decode forms them with ``_block_rows``."""
+    """``[first head, rows]`` of each block, as decode forms them (``internals.block_rows``)."""
     blocks = []
     for first in range(0, num_heads, group):
         h = first
         while h < first + group:
-            rows = _block_rows(first + group - h)
+            rows = internals.block_rows(first + group - h)
             blocks.append((h, rows))
             h += rows
     return np.array(blocks, dtype=np.int64)
@@ -330,8 +332,8 @@ def test_block_order_is_a_permutation_in_quarters_or_in_order(num_keys, next_key
     size = num_keys + PREFETCH_KEYS
     pages, slots = np.full(size, -1), np.full(size, -1)
     keys = np.full(num_keys, -1)
-    ahead = _tile_rows(table, page_size, row_base, 1, k0, num_keys, next_keys, interleave,
-                       pages, slots, keys)
+    ahead = internals.tile_rows(table, page_size, row_base, 1, k0, num_keys, next_keys,
+                                interleave, pages, slots, keys)
 
     def row_of(key):
         p = row_base[1] + k0 + key
