@@ -53,9 +53,24 @@ def on_devices(cpu_cases, cuda_cases, *, cpu=("cpu",)):
     """Parameter sets ``(device, *case)`` for ``parametrize(..., indirect=["device"])``:
     every case of ``cpu_cases`` on each device of ``cpu`` (``"cpu"`` or :data:`CPU_PATHS`),
     and every case of ``cuda_cases`` on CUDA (tiny ones: the simulator runs kernels as
-    Python, so the CUDA cases are a chosen few where the CPU's are a full product)."""
-    return [*(pytest.param(device, *case) for case in cpu_cases for device in cpu),
-            *(cuda_param(*case) for case in cuda_cases)]
+    Python, so the CUDA cases are a chosen few where the CPU's are a full product).  A case
+    is a tuple, or a ``pytest.param`` whose marks (``slow``) the parameter sets keep."""
+    def values_and_marks(case):
+        if hasattr(case, "marks"):  # a pytest.param
+            return case.values, case.marks
+        return case, ()
+
+    cpu_sets = [pytest.param(device, *values, marks=marks)
+                for values, marks in map(values_and_marks, cpu_cases) for device in cpu]
+    cuda_sets = [pytest.param("cuda", *values, marks=(*CUDA_MARKS, *marks))
+                 for values, marks in map(values_and_marks, cuda_cases)]
+    return cpu_sets + cuda_sets
+
+
+#: float32, and float64 marked ``slow``: for tests whose float64 case would compile, in the
+#: fast tier, a specialisation that nothing else there needs (float64 on the worker threads,
+#: say), while float32 takes the same path.
+FLOAT32_FAST = (np.float32, pytest.param(np.float64, marks=pytest.mark.slow))
 
 
 def route_cpu_path(monkeypatch, path):

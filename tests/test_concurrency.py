@@ -14,6 +14,7 @@ import sys
 import threading
 
 import numpy as np
+import pytest
 
 import numattn
 from numattn import CausalMask, reference
@@ -115,6 +116,7 @@ _WORKQUEUE_SCRIPT = f"""
 import threading
 import numba
 import numpy as np
+import pytest
 import numattn
 from numattn import CausalMask, reference
 from numattn.kernels.cpu import flash, split_k
@@ -126,6 +128,7 @@ print(numba.threading_layer(), len(errors), *errors)
 """
 
 
+@pytest.mark.slow
 def test_workqueue_threading_layer_survives_overlapping_calls():
     """Numba's workqueue layer aborts the process on a second concurrent launch; numattn
     then runs the call that would overlap on its own thread."""

@@ -198,7 +198,8 @@ def test_gqa_groups(group, device, rng):
 
 
 @pytest.mark.parametrize(("device", "dtype"), on_devices(
-    [(np.float32,), (np.float64,)], [(np.float32,)], cpu=CPU_PATHS), indirect=["device"])
+    [(np.float32,), pytest.param(np.float64, marks=pytest.mark.slow)], [(np.float32,)],
+    cpu=CPU_PATHS), indirect=["device"])
 def test_max_shapes_paged_128(dtype, device, rng):
     """MAX's test: 16 query heads, 4 KV heads, D = 128, pages of 128, caches of 37 and 129
     (on CUDA a row or two per sequence, without a mask)."""
@@ -524,7 +525,8 @@ def test_cuda_rejects_non_contiguous_device_arrays(rng):
 # --------------------------------------------------------------------------------------
 # PTX for a real target (cc 9.0): catches typing errors the simulator cannot see.
 # --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+# float32 covers the kernels' paths; float64 compiles them again (slow)
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 def test_kernel_compiles_to_ptx(dtype, ptx_compiler):
     from numba import types
 

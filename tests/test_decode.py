@@ -25,7 +25,7 @@ from numattn import (
 from numattn.decode import decode_attention
 
 from . import internals
-from .conftest import requires_cuda
+from .conftest import FLOAT32_FAST, requires_cuda
 from .utils import CACHE_KINDS, assert_close, make_kv, randn
 
 DTYPES = [np.float32, np.float64]
@@ -168,7 +168,7 @@ def test_odd_head_dims_and_groups(head_dim, group, kv_heads, rng):
         assert_close(out, ref, np.float64)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT32_FAST)
 def test_long_caches_and_default_config(dtype, rng):
     """Up to 5000 keys, pages of 128, the default block_k, partitions 1..32 and automatic."""
     lengths = [4999, 3000, 127, 128]
@@ -180,7 +180,7 @@ def test_long_caches_and_default_config(dtype, rng):
             assert_close(decode_attention(q, k, v, mask, num_partitions=parts), ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT32_FAST)
 def test_sliding_window_512_at_1025_keys_with_nan_in_hidden_keys(dtype, rng):
     """The MAX case that once gave NaN; the hidden keys even hold NaN here."""
     k = randn(rng, (2, 1025, 2, 32), dtype)
@@ -463,7 +463,7 @@ def test_cpu_tiles_of_short_rows_are_longer():
     assert tile(1, 64, np.float32, block_k=TILE_BYTES) == TILE_BYTES
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", FLOAT32_FAST)
 def test_scratch_starts_on_a_64_byte_boundary(dtype, rng, monkeypatch):
     """The partial outputs of the worker threads' items (allocated by the driver) and the
     kernel's queries and scores start on a cache line (NumPy's large arrays start 16 bytes
@@ -756,7 +756,8 @@ def test_cuda_groups_larger_than_a_block_of_threads(rng):
     assert_close(lse, ref_lse, dtype, what="lse")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+# float32 covers the kernels' paths; float64 compiles them again (slow)
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 def test_every_cuda_kernel_compiles_to_ptx(ptx_compiler, dtype):
     from numba import types
 

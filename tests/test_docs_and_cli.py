@@ -45,6 +45,7 @@ def _cli(*args):
                           text=True, cwd=ROOT, timeout=600)
 
 
+@pytest.mark.slow  # a process of its own; the doctest of run_demo runs the demo in this one
 def test_cli_demo_runs_and_checks_every_step():
     result = _cli("demo", "--batch", "3", "--new-tokens", "4")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -52,6 +53,7 @@ def test_cli_demo_runs_and_checks_every_step():
     assert "PASS" in result.stdout
 
 
+@pytest.mark.slow  # a process of its own; the doctest of run_checks runs the same checks
 def test_cli_check_passes_on_cpu():
     result = _cli("check", "--cpu-only")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -59,6 +61,7 @@ def test_cli_check_passes_on_cpu():
     assert re.search(r"^\d+ passed, 0 failed$", result.stdout, flags=re.M)
 
 
+@pytest.mark.slow
 def test_bench_decode_script_runs_a_case_on_one_thread():
     script = ROOT / "benchmarks" / "bench_decode.py"
     result = subprocess.run(
@@ -72,6 +75,7 @@ def test_bench_decode_script_runs_a_case_on_one_thread():
     assert result.returncode == 2 and "--threads: must be at least 1, got 0" in result.stderr
 
 
+@pytest.mark.slow
 @requires_cuda
 def test_gpu_check_script_runs_end_to_end(capsys):
     """benchmarks/gpu_check.py, the one command to run when a GPU is lent, gets through its
@@ -115,6 +119,7 @@ def test_check_reports_failures(monkeypatch):
     assert rows and not any(row.passed for row in rows)
 
 
+@pytest.mark.slow
 def test_cli_bench_quick_writes_json(tmp_path):
     path = tmp_path / "bench.json"
     result = _cli("bench", "--quick", "--only", "decode B=8", "--repeat", "1",
@@ -174,6 +179,8 @@ def test_interleaved_times_rotate_the_order_and_keep_rounds_aligned():
     assert [len(t) for t in times] == [3, 3, 3]
 
 
+# The bandwidth probe of the bench tool is a parallel kernel of its own: slow to compile.
+@pytest.mark.slow
 def test_read_all_fn_reads_the_requested_bytes():
     from numattn.tools.bench import read_all_fn
 
@@ -182,6 +189,7 @@ def test_read_all_fn_reads_the_requested_bytes():
     assert read_all() == nbytes  # every word it counts read once (the words are all 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_words, threads", [(8 * 105, 1), (10**5, 1), (10**5 + 7, 2),
                                                 (2**20, 3)])
 def test_read_probe_streams_stay_in_range(num_words, threads):

@@ -469,6 +469,7 @@ print(hashlib.sha256(out.tobytes() + lse.tobytes() + out2.tobytes() + lse2.tobyt
 """
 
 
+@pytest.mark.slow
 def test_bitwise_deterministic_across_thread_counts():
     import numattn
 

@@ -347,39 +347,48 @@ def test_cache_sequences_must_hold_integers_and_blocks_an_array(cls):
         cls(blocks.tolist(), [1, 2], table)
 
 
-@pytest.mark.parametrize("kind", ["paged", "continuous", "dense"])
-def test_fused_pools_are_read_in_place(kind, rng):
+def _fused_pool(kind, rng):
     """K and V as slices of one fused pool (FlashInfer's [pages, 2, page_size, Hkv, D]
-    layout, here with a third slot of NaN between them): read without a copy, and every
-    operation gives what it gives on contiguous copies."""
-    dtype = np.float64
-    pool = rng.standard_normal((6, 3, 4, 2, 8))
-    pool[:, 1] = np.nan  # never read
-    k_blocks, v_blocks = pool[:, 0], pool[:, 2]
+    layout, here with a third slot of NaN between them), and the same on contiguous copies:
+    ``(pool, fused, plain)``."""
     lengths = np.array([5, 9])
-    q = rng.standard_normal((2, 4, 8))
     if kind == "paged":
+        pool = rng.standard_normal((6, 3, 4, 2, 8))
+        pool[:, 1] = np.nan  # never read
         table = np.array([[4, 1, 99], [0, 5, 2]])  # 99: a spare entry
-        fused = [numattn.PagedKVCache(x, lengths, table) for x in (k_blocks, v_blocks)]
-        plain = [numattn.PagedKVCache(x.copy(), lengths, table) for x in (k_blocks, v_blocks)]
+        fused = [numattn.PagedKVCache(pool[:, i], lengths, table) for i in (0, 2)]
+        plain = [numattn.PagedKVCache(pool[:, i].copy(), lengths, table) for i in (0, 2)]
     elif kind == "continuous":
         pool = rng.standard_normal((3, 3, 12, 2, 8))
         pool[:, 1] = np.nan
-        k_blocks, v_blocks = pool[:, 0], pool[:, 2]
         table = np.array([2, 0])
-        fused = [numattn.ContinuousBatchingKVCache(x, lengths, table)
-                 for x in (k_blocks, v_blocks)]
-        plain = [numattn.ContinuousBatchingKVCache(x.copy(), lengths, table)
-                 for x in (k_blocks, v_blocks)]
+        fused = [numattn.ContinuousBatchingKVCache(pool[:, i], lengths, table) for i in (0, 2)]
+        plain = [numattn.ContinuousBatchingKVCache(pool[:, i].copy(), lengths, table)
+                 for i in (0, 2)]
     else:
         pool = rng.standard_normal((2, 3, 7, 2, 8))
         pool[:, 1] = np.nan
         fused = [pool[:, 0], pool[:, 2]]
         plain = [x.copy() for x in fused]
-    layout = resolve_kv(*fused, batch=2, dtype=dtype, kv_lens=None if kind == "dense"
+    return pool, fused, plain
+
+
+@pytest.mark.parametrize("kind", ["paged", "continuous", "dense"])
+def test_fused_pools_are_read_in_place(kind, rng):
+    """K and V as slices of a fused pool are read without a copy."""
+    pool, fused, _ = _fused_pool(kind, rng)
+    layout = resolve_kv(*fused, batch=2, dtype=np.float64, kv_lens=None if kind == "dense"
                         else np.ones(2, np.int64))
     assert np.shares_memory(layout.k_blocks, pool) and np.shares_memory(layout.v_blocks, pool)
     assert layout.k_blocks.flags.c_contiguous and not layout.k_blocks.flags.writeable
+
+
+# Read-only blocks are a kernel specialisation of their own (compiled once per dtype).
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["paged", "continuous", "dense"])
+def test_operations_on_fused_pools_give_what_they_give_on_copies(kind, rng):
+    _, fused, plain = _fused_pool(kind, rng)
+    q = rng.standard_normal((2, 4, 8))
     out = numattn.decode_attention(q, *fused, numattn.CausalMask(), num_partitions=2)
     want = numattn.decode_attention(q, *plain, numattn.CausalMask(), num_partitions=2)
     assert np.isfinite(out).all() and np.array_equal(out, want)
@@ -389,11 +398,10 @@ def test_fused_pools_are_read_in_place(kind, rng):
     assert np.isfinite(out).all() and np.array_equal(out, want)
 
 
-@pytest.mark.parametrize("kind", ["paged", "continuous"])
-def test_store_kv_writes_the_pages_of_a_fused_pool(kind, rng):
-    """store_kv into the K and V halves of a fused pool writes the pages the table names
-    (it wrote page p * 2 of the pool, another sequence's, for table entry p), and the
-    operations then read what was stored."""
+def _store_into_fused_pool(kind, rng):
+    """store_kv of random K and V rows into the two halves of a fused pool: ``(pool, caches,
+    offsets, keys, values, token_rows)``, ``token_rows[b]`` the (page, slot) of each row of
+    sequence ``b``."""
     pool = np.zeros((4, 2, 3, 1, 2), np.float32)  # [pages, K/V, page_size, Hkv, D]
     k_blocks, v_blocks = pool[:, 0], pool[:, 1]
     if kind == "paged":
@@ -405,12 +413,19 @@ def test_store_kv_writes_the_pages_of_a_fused_pool(kind, rng):
         caches = [numattn.ContinuousBatchingKVCache(x, lengths, table)
                   for x in (k_blocks, v_blocks)]
         token_rows = [[(3, 0), (3, 1), (3, 2)], [(1, 1), (1, 2)]]
-    new = [len(rows) for rows in token_rows]
-    offsets = np.concatenate([[0], np.cumsum(new)])
+    offsets = np.concatenate([[0], np.cumsum([len(rows) for rows in token_rows])])
     keys = rng.standard_normal((offsets[-1], 1, 2)).astype(np.float32)
     values = rng.standard_normal(keys.shape).astype(np.float32)
     numattn.store_kv(caches[0], keys, offsets)
     numattn.store_kv(caches[1], values, offsets)
+    return pool, caches, offsets, keys, values, token_rows
+
+
+@pytest.mark.parametrize("kind", ["paged", "continuous"])
+def test_store_kv_writes_the_pages_of_a_fused_pool(kind, rng):
+    """store_kv into the K and V halves of a fused pool writes the pages the table names
+    (it wrote page p * 2 of the pool, another sequence's, for table entry p)."""
+    pool, _, offsets, keys, values, token_rows = _store_into_fused_pool(kind, rng)
     written = np.zeros(pool.shape[:3], bool)
     for b, rows in enumerate(token_rows):
         for i, (page, slot) in enumerate(rows):
@@ -419,9 +434,17 @@ def test_store_kv_writes_the_pages_of_a_fused_pool(kind, rng):
             assert np.array_equal(pool[page, 1, slot], values[row])
             written[page, :, slot] = True
     assert not pool[~written].any()  # nothing else was touched
+
+
+# Read-only blocks are a kernel specialisation of their own (compiled once per dtype).
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["paged", "continuous"])
+def test_operations_read_what_store_kv_wrote_into_a_fused_pool(kind, rng):
+    _, caches, offsets, _, _, _ = _store_into_fused_pool(kind, rng)
     q = rng.standard_normal((offsets[-1], 2, 2)).astype(np.float32)
-    out = numattn.cross_attention(q, offsets, max(new), *caches, offsets)
-    want = numattn.reference.cross_attention(q, offsets, max(new), *caches, offsets)
+    q_max = int(np.diff(offsets).max())
+    out = numattn.cross_attention(q, offsets, q_max, *caches, offsets)
+    want = numattn.reference.cross_attention(q, offsets, q_max, *caches, offsets)
     assert_close(out, want, np.float32)
 
 

@@ -193,6 +193,7 @@ print(sum(kernel.stats.cache_hits.values()))
 """
 
 
+@pytest.mark.slow
 def test_serial_and_parallel_bindings_keep_apart_in_the_disk_cache(tmp_path):
     # Numba keys its cache by argument types only: a serial binding cached first must not
     # be loaded for the parallel one in a later process (which would then use one thread).
@@ -209,6 +210,7 @@ def test_serial_and_parallel_bindings_keep_apart_in_the_disk_cache(tmp_path):
     assert run("parallel") == 1 and run("serial") == 1  # each finds its own
 
 
+@pytest.mark.slow
 def test_a_changed_callee_source_makes_cached_kernels_compile_again(tmp_path):
     """Numba checks a cached kernel against its own file only: after an edit of a module
     whose bodies it calls (here that of the reduction's rows and merge weights), a later
@@ -261,6 +263,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_results_do_not_depend_on_whether_the_kernels_were_compiled_or_loaded():
     """A process that compiled the kernels and one that loaded them from the disk cache give
     bitwise the same results.  (Numba links each body into every kernel that calls it as a

@@ -249,10 +249,17 @@ CASES = {"decode": _decode_case, "flash": _flash_case, "cross": _cross_case,
          "corrupted_indices": _corrupted_case}
 
 
+def _cpu_case(name, seed):
+    """A CPU case; those of decode, flash and cross that draw float64 are ``slow`` (large
+    ones run on the worker threads: float64 specialisations the fast tier leaves out)."""
+    float64 = name != "corrupted_indices" and _Draw(seed).dtype() == np.float64
+    return pytest.param(name, seed, marks=pytest.mark.slow if float64 else ())
+
+
 def _cases(names, cpu):
     """(device, case, seed) for the cases ``names``: every seed on each CPU device of ``cpu``,
     a tenth of them on CUDA (flash runs on the CPU only, for now)."""
-    return on_devices([(name, seed) for name in names for seed in SEEDS],
+    return on_devices([_cpu_case(name, seed) for name in names for seed in SEEDS],
                       [(name, seed) for name in names if name != "flash" for seed in CUDA_SEEDS],
                       cpu=cpu)
 

@@ -20,11 +20,20 @@ from .utils import assert_close, randn
 
 PREFETCH_KEYS = internals.cpu_split_k.PREFETCH_KEYS
 
+
+def _builds(*builds):
+    """Parameter sets of intrinsic builds (a vector width, with the bytes ahead the blocks
+    ask for rows' lines, if given): those of this machine's vector width run in the fast
+    tier, the others (each a compile of its own, for other machines) are ``slow``."""
+    return [pytest.param(*build, marks=() if build[0] == _simd.target_vector_bytes()
+                         else pytest.mark.slow) for build in builds]
+
+
 WIDTHS = [16, 32, 64]
 #: (vector bytes, bytes ahead the blocks ask for rows' lines): every width with the requests
 #: (whatever this machine's default), and this machine's widest without them
-BLOCK_BUILDS = [(16, _simd.STREAM_PREFETCH_BYTES), (32, _simd.STREAM_PREFETCH_BYTES),
-                (64, _simd.STREAM_PREFETCH_BYTES), (64, 0)]
+BLOCK_BUILDS = _builds((16, _simd.STREAM_PREFETCH_BYTES), (32, _simd.STREAM_PREFETCH_BYTES),
+                       (64, _simd.STREAM_PREFETCH_BYTES), (64, 0))
 DTYPES = [np.float32, np.float64]
 HEAD_DIMS = [1, 5, 16, 37, 128]
 GROUPS = [1, 2, 3, 4, 5, 6, 7, 8]  # query heads per KV head in blocks of 4, 2, 1 (7: 4+2+1)
@@ -162,7 +171,7 @@ def test_values_blocks(vector_bytes, prefetch_bytes, dtype, rng):
         assert_close(acc, expected, dtype, what=what)
 
 
-@pytest.mark.parametrize("vector_bytes", WIDTHS)
+@pytest.mark.parametrize("vector_bytes", _builds(*((width,) for width in WIDTHS)))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_values_tiles(vector_bytes, dtype, rng):
     """The whole-tile sums, for every row short enough for them (tails masked, no element
