@@ -11,11 +11,17 @@ __all__ = ["merge_states"]
 
 def _parts(name, parts):
     """``parts`` (a sequence of arrays, or one array whose first axis counts them) as a
-    list."""
+    list of arrays."""
+    if isinstance(parts, np.ndarray):
+        if parts.ndim == 0:
+            raise ValueError(f"{name} as one array must be stacked along a first axis that "
+                             "counts the parts, got a 0-d array")
+        # parts[i, ...] keeps 0-d parts as arrays (iterating a 1-d array gives NumPy scalars)
+        return [parts[i, ...] for i in range(parts.shape[0])]
     if isinstance(parts, (str, bytes)) or not hasattr(parts, "__iter__"):
         raise TypeError(f"{name} must be a sequence of arrays, got {type(parts).__name__}")
-    return list(parts)
-
+    # a NumPy scalar (a part of one row's lse) is taken as the 0-d array it stands for
+    return [np.asarray(p) if isinstance(p, np.generic) else p for p in parts]
 
 
 def merge_states(outs, lses):

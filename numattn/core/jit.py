@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
+import re
 import threading
 import types
 import warnings
@@ -130,6 +132,7 @@ def before_cpu_compile(hook):
 def _cpu_jit(func, parallel):
     import numba
 
+    watch_compiles("cpu")
     for hook in _BEFORE_CPU_COMPILE:  # e.g. the explicit-vector functions bodies call
         hook()
     clone = _rebind(func, "cpu")
@@ -186,6 +189,89 @@ def _warn_uncached(exc):
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+#: The first compile of a numattn kernel in a process is announced once on this logger, at
+#: WARNING level so that it reaches stderr with no logging set up (a log record, not a
+#: warning: it never becomes an error under ``-W error``).  To hide it:
+#: ``logging.getLogger("numattn").setLevel(logging.ERROR)``.
+COMPILE_LOG = logging.getLogger("numattn.compile")
+_COMPILE_ANNOUNCED = []  # [True] once announced
+_COMPILE_WATCHED = set()  # the targets ("cpu", "cuda") whose compiles are listened to
+_COMPILE_WATCH_LOCK = threading.Lock()  # bindings are made from any thread
+
+
+def _announce_compile(target, name, argtypes):
+    """Log (once per process) that numattn compiles ``name`` for ``target``."""
+    if _COMPILE_ANNOUNCED:
+        return
+    _COMPILE_ANNOUNCED.append(True)
+    text = argtypes if isinstance(argtypes, str) else ", ".join(map(str, argtypes))
+    dtypes = sorted(set(re.findall(r"array\((float\d+)", text)))
+    if target == "cuda":
+        cost, later = "seconds at each kernel's first launch", "not cached on disk"
+    elif CPU_OPTS["cache"] and not _UNCACHED_WARNED:
+        cost = "about 10-60 s at each operation's first call"
+        later = "cached on disk for later processes; `python -m numattn warmup` compiles all ahead"
+    else:
+        cost, later = "about 10-60 s at each operation's first call", "not cached on disk"
+    COMPILE_LOG.warning(
+        "numattn: compiling %s kernels (first %s%s), %s; %s; "
+        "logging.getLogger('numattn').setLevel(logging.ERROR) hides this note",
+        target.upper(), name, f", {'/'.join(dtypes)}" if dtypes else "", cost, later,
+    )
+
+
+def watch_compiles(target):
+    """Listen (from now on, once per target) for Numba compiling a numattn function, to
+    announce the first such compile in the process (:data:`COMPILE_LOG`).
+
+    On the CPU a dispatcher's ``numba:compile`` event fires only on a miss of the disk cache;
+    numba-cuda, which has no such event for kernels, runs its compiler passes under
+    ``numba-cuda:run_pass`` events.  The CUDA simulator compiles nothing.
+    """
+    with _COMPILE_WATCH_LOCK:
+        if target in _COMPILE_WATCHED:
+            return
+        _COMPILE_WATCHED.add(target)
+    if target == "cpu":
+        from numba.core import event
+
+        def source(data):  # (module, name, argument types) of what is being compiled
+            func = data["dispatcher"].py_func
+            return func.__module__, func.__name__, data["args"]
+
+        kind = "numba:compile"
+    else:
+        from .device import simulator_enabled
+
+        if simulator_enabled():
+            return
+        try:
+            from numba.cuda.core import event
+        except ImportError:  # a numba-cuda without these events: no announcement
+            return
+
+        def source(data):
+            return data["module"], data["qualname"], data["args"]
+
+        kind = "numba-cuda:run_pass"
+
+    class _Announce(event.Listener):
+        def on_start(self, ev):
+            if _COMPILE_ANNOUNCED:
+                return
+            try:
+                module, name, argtypes = source(ev.data)
+            except (KeyError, AttributeError):  # a note must never stop a compile
+                return
+            if (module or "").startswith("numattn."):
+                _announce_compile(target, name, argtypes)
+
+        def on_end(self, ev):
+            pass
+
+    event.register(kind, _Announce())
 
 
 def cpu_jit(func=None, *, parallel=False):
@@ -255,6 +341,7 @@ def cuda_device(func):
     """The CUDA device-function binding of a body (imports ``numba.cuda`` lazily)."""
     from .device import get_cuda
 
+    watch_compiles("cuda")
     return get_cuda().jit(device=True)(_rebind(func, "cuda"))
 
 
@@ -263,6 +350,7 @@ def cuda_kernel(func):
     """The CUDA kernel binding of a plain kernel function (lazy, compiled at first launch)."""
     from .device import get_cuda
 
+    watch_compiles("cuda")
     return get_cuda().jit(_rebind(func, "cuda"))
 
 

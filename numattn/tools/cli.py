@@ -1,4 +1,4 @@
-"""Command line: ``python -m numattn {check,bench,demo}`` (also the ``numattn`` script).
+"""Command line: ``python -m numattn {check,bench,demo,warmup}`` (also the ``numattn`` script).
 
 Each command imports its tool only when it runs, so ``numattn --help`` stays fast."""
 
@@ -67,6 +67,12 @@ def _bench(args) -> int:
     return main(args)
 
 
+def _warmup(args) -> int:
+    from .warmup import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="numattn",
@@ -96,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-check", action="store_true", help="skip the reference comparison")
     demo.set_defaults(func=_demo)
+
+    warmup = sub.add_parser("warmup", help="compile every CPU kernel into the disk cache "
+                                           "(NUMBA_CACHE_DIR), for image builds and CI caches")
+    warmup.add_argument("--dtype", nargs="+", choices=("float32", "float64"),
+                        default=["float32", "float64"], help="compute dtypes (default: both)")
+    warmup.add_argument("--cuda", action="store_true",
+                        help="also launch the CUDA kernels (compiled in this process only)")
+    warmup.set_defaults(func=_warmup)
     return parser
 
 
