@@ -118,17 +118,17 @@ def _finish_samples(rng, f):
 
 
 def _merge_samples(rng, f):
-    parts, rows, head_dim = 4, 3, 5
-    part_m = (rng.standard_normal((parts, rows)) * 3).astype(f)
-    part_m[1, 0] = -INF  # an empty part
-    part_m[:, 2] = -INF  # a row empty in every part
-    part_l = rng.uniform(0.5, 4, (parts, rows)).astype(f)
-    part_l[1, 0] = part_l[:, 2] = 0
-    part_acc = rng.standard_normal((parts, rows, head_dim)).astype(f)
-    out_row = rng.standard_normal(head_dim).astype(f)
+    batch, parts, rows, head_dim = 2, 4, 3, 5
+    part_m = (rng.standard_normal((batch, parts, rows)) * 3).astype(f)
+    part_m[1, 1, 0] = -INF  # an empty part
+    part_m[1, :, 2] = -INF  # a row empty in every part
+    part_l = rng.uniform(0.5, 4, (batch, parts, rows)).astype(f)
+    part_l[1, 1, 0] = part_l[1, :, 2] = 0
+    part_acc = rng.standard_normal((batch, parts, rows, head_dim)).astype(f)
+    out = rng.standard_normal((batch, rows, head_dim)).astype(f)
     sink = f(rng.standard_normal())
-    return [(part_m, part_l, part_acc, r, finished, sink, has_sink, d0, d_step, out_row)
-            for r in range(rows)
+    return [(part_m, part_l, part_acc, b, r, finished, sink, has_sink, d0, d_step, out)
+            for b in range(batch) for r in range(rows)
             for finished, has_sink in [(False, True), (False, False), (True, False)]
             for d0, d_step in [(0, 1), (1, 2)]]
 
@@ -284,11 +284,11 @@ def _brute_force(scores, values, sink, has_sink):
 
 
 @_jit.body
-def _tiled_states(scores, values, tile, part_m, part_l, part_acc, part, r):
+def _tiled_states(scores, values, tile, part_m, part_l, part_acc, part):
     """State ``(m, l, acc)`` of ``scores`` tile by tile, with the shared state steps."""
     m = -math.inf
     l = values[0, 0] - values[0, 0]  # 0 of the dtype
-    acc = part_acc[part, r]
+    acc = part_acc[0, part, 0]
     for d in range(acc.shape[0]):
         acc[d] = 0
     for k0 in range(0, scores.shape[0], tile):
@@ -306,8 +306,8 @@ def _tiled_states(scores, values, tile, part_m, part_l, part_acc, part, r):
         for j in range(k0, k1):
             tile_sum += key_weight(scores[j], m)
         l = accumulate(l, alpha, tile_sum)
-    part_m[part, r] = m
-    part_l[part, r] = l
+    part_m[0, part, 0] = m
+    part_l[0, part, 0] = l
 
 
 def _split_softmax(scores, values, splits, tile, sink, has_sink, part_m, part_l, part_acc,
@@ -315,8 +315,8 @@ def _split_softmax(scores, values, splits, tile, sink, has_sink, part_m, part_l,
     """One row's softmax over ``len(splits) - 1`` partitions of its keys, merged."""
     for p in range(splits.shape[0] - 1):
         _tiled_states(scores[splits[p]:splits[p + 1]], values[splits[p]:splits[p + 1]], tile,
-                      part_m, part_l, part_acc, p, 0)
-    return merge_partials(part_m, part_l, part_acc, 0, False, sink, has_sink, 0, 1, out)
+                      part_m, part_l, part_acc, p)
+    return merge_partials(part_m, part_l, part_acc, 0, 0, False, sink, has_sink, 0, 1, out)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -334,16 +334,16 @@ def test_state_steps_match_a_brute_force_softmax(dtype, rng):
         parts = splits.shape[0] - 1
         for tile in (1, 4, 64):
             for has_sink in (True, False):
-                part_m = np.empty((parts, 1), dtype)
-                part_l = np.empty((parts, 1), dtype)
-                part_acc = np.empty((parts, 1, head_dim), dtype)
-                out = np.empty(head_dim, dtype)
+                part_m = np.empty((1, parts, 1), dtype)
+                part_l = np.empty((1, parts, 1), dtype)
+                part_acc = np.empty((1, parts, 1, head_dim), dtype)
+                out = np.empty((1, 1, head_dim), dtype)
                 lse = kernel(scores, values, splits, tile, sink, has_sink, part_m, part_l,
                              part_acc, out)
                 visible = np.isfinite(scores)
                 ref_out, ref_lse = _brute_force(scores[visible], values[visible], sink,
                                                 has_sink)
-                assert_close(out, ref_out, dtype)
+                assert_close(out[0, 0], ref_out, dtype)
                 assert_close(np.array(lse), np.array(ref_lse), dtype, what="lse")
 
 
@@ -356,15 +356,15 @@ def test_merge_of_finished_parts_matches_a_brute_force_softmax(dtype, rng):
     scores = (rng.standard_normal(n) * 3).astype(dtype)
     values = rng.standard_normal((n, head_dim)).astype(dtype)
     parts = len(splits) - 1
-    part_lse = np.empty((parts, 1), dtype)
-    part_out = np.empty((parts, 1, head_dim), dtype)
+    part_lse = np.empty((1, parts, 1), dtype)
+    part_out = np.empty((1, parts, 1, head_dim), dtype)
     for p in range(parts):
-        part_out[p, 0], part_lse[p, 0] = _brute_force(
+        part_out[0, p, 0], part_lse[0, p, 0] = _brute_force(
             scores[splits[p]:splits[p + 1]], values[splits[p]:splits[p + 1]], 0, False)
-    part_out[1, 0] = np.nan  # part 1 holds no key: lse -inf
-    out = np.empty(head_dim, dtype)
-    lse = kernel(part_lse, part_lse, part_out, 0, True, dtype(0), False, 0, 1, out)
+    part_out[0, 1, 0] = np.nan  # part 1 holds no key: lse -inf
+    out = np.empty((1, 1, head_dim), dtype)
+    lse = kernel(part_lse, part_lse, part_out, 0, 0, True, dtype(0), False, 0, 1, out)
     ref_out, ref_lse = _brute_force(scores, values, 0, False)
-    assert part_lse[1, 0] == -np.inf
-    assert_close(out, ref_out, dtype)
+    assert part_lse[0, 1, 0] == -np.inf
+    assert_close(out[0, 0], ref_out, dtype)
     assert_close(np.array(lse), np.array(ref_lse), dtype, what="lse")

@@ -18,7 +18,11 @@ def run_merge_cpu(part_out, part_lse, out, lse):
 
 
 def _merge_kernel(part_out, part_lse, out, lse):
-    # finished parts (lse_p, out_p): states (lse_p, 1, out_p), without a sink
-    for r in prange(part_lse.shape[1]):
-        lse[r] = merge_partials(part_lse, part_lse, part_out, r, True, part_lse[0, r], False,
-                                0, 1, out[r])
+    # finished parts (lse_p, out_p): states (lse_p, 1, out_p), without a sink, as a batch of 1
+    num_parts, rows, head_dim = part_out.shape
+    part_m = part_lse.reshape(1, num_parts, rows)
+    part_acc = part_out.reshape(1, num_parts, rows, head_dim)
+    out_rows = out.reshape(1, rows, head_dim)
+    for r in prange(rows):
+        lse[r] = merge_partials(part_m, part_m, part_acc, 0, r, True, part_m[0, 0, r], False,
+                                0, 1, out_rows)

@@ -29,15 +29,15 @@ def softmax_tile(scores, m_run, l_run, alpha):
     """
     kw = scores.shape[1]
     for i in range(scores.shape[0]):
-        row = scores[i]
-        m_old = m_run[i]
-        m_new, a = rescale_factor(m_old, row_max(row, kw))
+        # rows as scores[i], no view of a row kept across the calls of the shared bodies:
+        # Numba would then count the view's references at every row
+        m_new, a = rescale_factor(m_run[i], row_max(scores[i], kw))
         if m_new == -math.inf:  # nothing visible yet
             for j in range(kw):
-                row[j] = 0
+                scores[i, j] = 0
             alpha[i] = 1
             continue
-        total = exp_row(row, kw, m_new)
+        total = exp_row(scores[i], kw, m_new)
         alpha[i] = a
         m_run[i] = m_new
         l_run[i] = accumulate(l_run[i], a, total)

@@ -530,5 +530,5 @@ def _decode_reduce_cpu(part_m, part_l, part_acc, sinks, has_sink, out, lse):
     for row in prange(part_m.shape[0] * num_heads):
         b = row // num_heads
         h = row % num_heads
-        lse[b, h] = merge_partials(part_m[b], part_l[b], part_acc[b], h, False, sinks[h],
-                                   has_sink, 0, 1, out[b, h])
+        lse[b, h] = merge_partials(part_m, part_l, part_acc, b, h, False, sinks[h], has_sink,
+                                   0, 1, out)

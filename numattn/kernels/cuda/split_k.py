@@ -319,7 +319,7 @@ def _decode_reduce_cuda(part_m, part_l, part_acc, sinks, has_sink, out, lse):
     b = row // num_heads
     h = row % num_heads
     d0 = cuda.threadIdx.x
-    row_lse = merge_partials(part_m[b], part_l[b], part_acc[b], h, False, sinks[h], has_sink,
-                             d0, cuda.blockDim.x, out[b, h])
+    row_lse = merge_partials(part_m, part_l, part_acc, b, h, False, sinks[h], has_sink, d0,
+                             cuda.blockDim.x, out)
     if d0 == 0:
         lse[b, h] = row_lse

@@ -111,12 +111,11 @@ def merge_weight(m_part, m_max):
 
 
 @body
-def merge_partials(part_m, part_l, part_acc, r, finished, sink, has_sink, d0, d_step,
-                   out_row):
-    """Merge the partial states of row ``r`` and finish it: ``out_row[d]`` for
-    ``d = d0, d0 + d_step, ...``; returns the row's log-sum-exp.
+def merge_partials(part_m, part_l, part_acc, b, r, finished, sink, has_sink, d0, d_step, out):
+    """Merge the partial states of row ``r`` of batch ``b`` and finish it: ``out[b, r, d]``
+    for ``d = d0, d0 + d_step, ...``; returns the row's log-sum-exp.
 
-    Part ``p`` of the row is ``(part_m[p, r], part_l[p, r], part_acc[p, r])``.
+    Part ``p`` of the row is ``(part_m[b, p, r], part_l[b, p, r], part_acc[b, p, r])``.
     ``M = max_p m_p``, ``w_p = e^(m_p - M)``, ``L = sum w_p l_p``, ``acc = sum w_p acc_p``;
     the sink enters once, in :func:`finish_row`.  A part with ``m_p = -inf`` weighs exactly
     0: a partial state's ``acc_p`` is 0 when it saw no visible key, and ``0 * acc_p`` still
@@ -129,30 +128,28 @@ def merge_partials(part_m, part_l, part_acc, r, finished, sink, has_sink, d0, d_
 
     ``L`` is summed in float64 whatever the dtype.
     """
-    num_parts = part_m.shape[0]
-    big = part_m[0, r]
+    num_parts = part_m.shape[1]
+    big = part_m[b, 0, r]
     for p in range(1, num_parts):
-        big = max_nan(part_m[p, r], big)
+        big = max_nan(part_m[b, p, r], big)
     total = 0.0
     for p in range(num_parts):
-        w = merge_weight(part_m[p, r], big)
-        total += w if finished else w * part_l[p, r]
+        w = merge_weight(part_m[b, p, r], big)
+        total += w if finished else w * part_l[b, p, r]
     out_scale, row_lse = finish_row(big, total, sink, has_sink)
-    head_dim = part_acc.shape[2]
-    first = True
+    head_dim = part_acc.shape[3]
+    out_row = out[b, r]
     for p in range(num_parts):  # one weight per part (out_scale folded in), then its row
-        if finished and part_m[p, r] == -math.inf:
-            continue
-        w = merge_weight(part_m[p, r], big) * out_scale
-        acc_row = part_acc[p, r]
-        if first:
+        w = merge_weight(part_m[b, p, r], big) * out_scale
+        acc_row = part_acc[b, p, r]
+        if finished and part_m[b, p, r] == -math.inf:  # an empty result: not read
+            if p == 0:
+                for d in range(d0, head_dim, d_step):
+                    out_row[d] = 0
+        elif p == 0:
             for d in range(d0, head_dim, d_step):
                 out_row[d] = w * acc_row[d]
         else:
             for d in range(d0, head_dim, d_step):
                 out_row[d] += w * acc_row[d]
-        first = False
-    if first:  # every part was empty
-        for d in range(d0, head_dim, d_step):
-            out_row[d] = 0
     return row_lse
