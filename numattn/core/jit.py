@@ -151,6 +151,11 @@ def _cpu_jit(func, parallel):
         return numba.njit(parallel=parallel, **{**CPU_OPTS, "cache": False})(clone)
 
 
+#: Callables giving more text for :func:`source_digest`: code from outside the package that
+#: kernels compile in (mask leaves registered by an application).
+DIGEST_SOURCES = []
+
+
 @functools.cache
 def source_digest():
     """A digest of the sources of every module of the package, part of the name under
@@ -172,6 +177,8 @@ def source_digest():
                 with open(path, "rb") as source:
                     relative = os.path.relpath(path, package).encode()
                     digest.update(relative + b"\0" + source.read() + b"\0")
+    for extra in DIGEST_SOURCES:
+        digest.update(extra().encode() + b"\0")
     return digest.hexdigest()[:16]
 
 

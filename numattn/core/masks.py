@@ -5,12 +5,19 @@ build masks from the dataclasses below and combine them with ``&`` and ``|``.  A
 host boundary :func:`compile_mask` turns a mask into
 
 * a *mask program*: an ``int64`` array ``[n_ops, 2]`` of ``(opcode, parameter)`` rows in
-  postfix order, which every kernel evaluates with the two plain bodies
-  :func:`mask_visible` (one pair) and :func:`mask_tile_status` (a query range x key range),
-  compiled for the CPU with ``njit`` and for CUDA as device functions; and
+  postfix order, which every kernel evaluates with the plain bodies of
+  :mod:`numattn.kernels.shared.masks` (``mask_visible`` for one pair, ``mask_tile_status``
+  for a query range x key range, ``visible_span`` for one query's run of keys), compiled
+  for the CPU with ``njit`` and for CUDA as device functions; and
 * the additive tensor of a :class:`MaterializedMask`, if the mask has one.
 
 Because the program is data, one compiled kernel serves every mask.
+
+Each kind of leaf (:class:`NullMask`, :class:`CausalMask`, ...) is a :class:`LeafMask`
+that says in its own class all the kernels need: its parameter and three bodies (one
+pair, one tile, one query's run of keys).  :func:`register_leaf` gives it its opcode, and
+the kernels' dispatch on opcodes is generated from the registered leaves, so a new leaf is
+one class and nothing else.
 
 Tile status is one of :data:`TILE_NONE` (no pair of the tile is hidden: no per-element test
 is needed), :data:`TILE_FULL` (every pair is hidden: the tile is skipped and its keys are
@@ -20,11 +27,15 @@ FULL when a pair is visible, never NONE when a pair is hidden.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import dataclass
+import inspect
+import marshal
+import sys
 
 import numpy as np
 
+from .jit import DIGEST_SOURCES, body
 from .validate import INT64_MAX, dtype_of, shape_of
 
 __all__ = [
@@ -32,28 +43,26 @@ __all__ = [
     "CausalMask",
     "ChunkedCausalMask",
     "ChunkedMask",
+    "LeafMask",
     "Mask",
     "MaterializedMask",
     "NullMask",
     "OrMask",
     "SlidingWindowCausalMask",
     "compile_mask",
+    "register_leaf",
 ]
 
-# Opcodes of the mask program (leaves, then the two combinators).
-OP_NULL = 0
-OP_CAUSAL = 1
-OP_SLIDING_WINDOW_CAUSAL = 2
-OP_CHUNKED = 3
-OP_CHUNKED_CAUSAL = 4
-OP_AND = 5
-OP_OR = 6
-
+# Opcodes of the two combinators; a leaf's opcode is its index in LEAF_TYPES (>= 0).
+OP_AND = -1
+OP_OR = -2
 
 # Tile status.
 TILE_NONE = 0  # nothing hidden
 TILE_PARTIAL = 1  # some pairs hidden, some visible
 TILE_FULL = 2  # every pair hidden
+
+INT64_MIN = -INT64_MAX - 1
 
 
 class Mask:
@@ -101,8 +110,175 @@ def _check_positive(cls, name, value):
         raise ValueError(f"{cls}.{name} must be >= 1, got {value}")
 
 
-@dataclass(frozen=True)
-class NullMask(Mask):
+class LeafMask(Mask):
+    """Base class of the masks that are one leaf of a mask program.
+
+    A leaf is a frozen dataclass registered with :func:`register_leaf`, and says in its own
+    class all that the kernels need: :meth:`leaf_parameter`, and three static methods,
+    plain Python that Numba compiles for the CPU and for CUDA (integer arithmetic with
+    ``//`` and ``%``, comparisons, ``min``, ``max``; no Python objects), each taking the
+    parameter first.  :meth:`visible` is derived from ``leaf_visible``.
+
+    Examples
+    --------
+    >>> from numattn.masks import LeafMask, SlidingWindowCausalMask
+    >>> issubclass(SlidingWindowCausalMask, LeafMask), SlidingWindowCausalMask.opcode
+    (True, 2)
+    >>> SlidingWindowCausalMask.leaf_span(3, 10)  # query 10 sees keys 8, 9 and 10
+    (8, 11)
+    """
+
+    #: Set by :func:`register_leaf`: the leaf's opcode in mask programs.
+    opcode = None
+    #: Whether :meth:`leaf_tile` is exact (answers True only where such a pair exists);
+    #: the tests hold every exact leaf to it.
+    leaf_tile_exact = True
+
+    def leaf_parameter(self):
+        """The integer the kernels read for this mask (0 when the leaf has none).
+
+        Values past the int64 range are read as the largest int64.
+        """
+        return 0
+
+    @staticmethod
+    def leaf_visible(param, q_idx, k_idx):  # pragma: no cover - each leaf defines it
+        """Whether key ``k_idx`` is visible from query ``q_idx``.
+
+        Written with ``&`` and ``|`` on comparisons, the same body also runs on NumPy
+        arrays (:meth:`visible`).
+        """
+        raise NotImplementedError
+
+    @staticmethod
+    def leaf_tile(param, q0, q1, k0, k1):  # pragma: no cover - each leaf defines it
+        """``(some pair visible, some pair hidden)`` for queries ``q0 .. q1`` x keys
+        ``k0 .. k1`` (inclusive).
+
+        Sound: neither may be False when such a pair exists (a visible pair in a tile
+        called fully hidden would be lost; a hidden pair in a tile called fully visible
+        would be shown).
+        """
+        raise NotImplementedError
+
+    @staticmethod
+    def leaf_span(param, q_idx):  # pragma: no cover - each leaf defines it
+        """The keys ``[lo, hi)`` that query ``q_idx`` sees: one run (``INT64_MIN`` and
+        ``INT64_MAX`` for an open end), exactly the keys ``leaf_visible`` shows."""
+        raise NotImplementedError
+
+    def visible(self, q_idx, k_idx):
+        """Boolean visibility of positions ``q_idx`` and ``k_idx`` (NumPy broadcasting)."""
+        q = np.asarray(q_idx)
+        k = np.asarray(k_idx)
+        shown = np.asarray(self.leaf_visible(np.int64(self._parameter()), q, k), dtype=bool)
+        shape = np.broadcast_shapes(q.shape, k.shape)
+        return shown if shown.shape == shape else np.broadcast_to(shown, shape).copy()
+
+    def _parameter(self):
+        return _program_size(self.leaf_parameter())
+
+    def _program(self):
+        if type(self).opcode is None:
+            raise TypeError(f"{type(self).__name__} is not registered: use register_leaf")
+        return [(type(self).opcode, self._parameter())]
+
+
+#: The registered leaf types; a leaf's opcode is its index here.
+LEAF_TYPES = []
+_LEAF_BODIES = ("leaf_visible", "leaf_tile", "leaf_span")
+_LEAF_TYPES_FIXED = []  # [True] once the kernels' dispatch on opcodes is built from them
+
+
+def register_leaf(cls):
+    """Register a :class:`LeafMask` subclass: give it the next opcode and mark its three
+    bodies for compilation (a class decorator; returns ``cls``).
+
+    The kernels' dispatch on opcodes is built from the registered leaves when the
+    process first compiles a kernel, so a leaf is registered before that.
+
+    Parameters
+    ----------
+    cls : type
+        A :class:`LeafMask` subclass, a frozen dataclass, that defines ``leaf_visible``,
+        ``leaf_tile`` and ``leaf_span`` as static methods.
+
+    Returns
+    -------
+    type
+        ``cls``, with its ``opcode`` set.
+
+    Raises
+    ------
+    TypeError
+        If ``cls`` is not a :class:`LeafMask` subclass and frozen dataclass, or lacks one
+        of the three bodies.
+    ValueError
+        If ``cls`` is registered already.
+    RuntimeError
+        If the process has compiled a kernel already.
+
+    Examples
+    --------
+    >>> from numattn.core.masks import LEAF_TYPES, CausalMask
+    >>> LEAF_TYPES.index(CausalMask) == CausalMask.opcode
+    True
+    """
+    if not (isinstance(cls, type) and issubclass(cls, LeafMask)):
+        raise TypeError(f"register_leaf expects a LeafMask subclass, got {cls!r}")
+    if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+        # equal masks share one program (compile_mask): they must be immutable values
+        raise TypeError(f"register_leaf expects a frozen dataclass, got {cls.__name__} (put "
+                        f"@register_leaf above @dataclasses.dataclass(frozen=True))")
+    if cls in LEAF_TYPES:
+        raise ValueError(f"{cls.__name__} is registered already (opcode {cls.opcode})")
+    for name in _LEAF_BODIES:
+        member = inspect.getattr_static(cls, name)
+        if not isinstance(member, staticmethod) or member is LeafMask.__dict__[name]:
+            raise TypeError(f"{cls.__name__}.{name} must be defined, as a static method")
+    if _LEAF_TYPES_FIXED:
+        raise RuntimeError(
+            f"register_leaf({cls.__name__}): leaves must be registered before the process "
+            f"compiles its first kernel or imports numattn.kernels (the kernels' dispatch "
+            f"on opcodes is built from the leaves then, once)"
+        )
+    for name in _LEAF_BODIES:
+        body(getattr(cls, name))
+    cls.opcode = len(LEAF_TYPES)
+    LEAF_TYPES.append(cls)
+    return cls
+
+
+def fixed_leaf_types():
+    """The registered leaf types in opcode order; none may be registered after this call
+    (the kernels' dispatch on opcodes is built from them, once)."""
+    if not _LEAF_TYPES_FIXED:
+        _LEAF_TYPES_FIXED.append(True)
+    return tuple(LEAF_TYPES)
+
+
+def _foreign_leaf_sources():
+    """The code of the leaves registered from outside the package, as text: compiled into
+    every kernel, so it belongs in the key under which kernels are cached on disk (the
+    package's own sources are in it already)."""
+    parts = []
+    for cls in fixed_leaf_types():
+        if cls.__module__.partition(".")[0] == __name__.partition(".")[0]:
+            continue
+        module = sys.modules.get(cls.__module__)
+        try:
+            parts.append(inspect.getsource(module))
+        except (OSError, TypeError):  # no source file: the bodies' code objects
+            parts.append(repr([marshal.dumps(getattr(cls, n).__code__) for n in _LEAF_BODIES]))
+    return "\n".join(parts)
+
+
+DIGEST_SOURCES.append(_foreign_leaf_sources)
+
+
+@register_leaf
+@dataclasses.dataclass(frozen=True)
+class NullMask(LeafMask):
     """Every key is visible.
 
     Examples
@@ -112,15 +288,22 @@ class NullMask(Mask):
     True
     """
 
-    def visible(self, q_idx, k_idx):
-        return np.ones(np.broadcast_shapes(np.shape(q_idx), np.shape(k_idx)), dtype=bool)
+    @staticmethod
+    def leaf_visible(param, q_idx, k_idx):
+        return True
 
-    def _program(self):
-        return [(OP_NULL, 0)]
+    @staticmethod
+    def leaf_tile(param, q0, q1, k0, k1):
+        return True, False
+
+    @staticmethod
+    def leaf_span(param, q_idx):
+        return INT64_MIN, INT64_MAX
 
 
-@dataclass(frozen=True)
-class CausalMask(Mask):
+@register_leaf
+@dataclasses.dataclass(frozen=True)
+class CausalMask(LeafMask):
     """Key ``k_idx`` is visible from query ``q_idx`` iff ``k_idx <= q_idx``.
 
     Queries sit at the last positions of their sequence, so this is the bottom-right
@@ -133,15 +316,22 @@ class CausalMask(Mask):
     [True, True, False]
     """
 
-    def visible(self, q_idx, k_idx):
-        return np.asarray(k_idx) <= np.asarray(q_idx)
+    @staticmethod
+    def leaf_visible(param, q_idx, k_idx):
+        return k_idx <= q_idx
 
-    def _program(self):
-        return [(OP_CAUSAL, 0)]
+    @staticmethod
+    def leaf_tile(param, q0, q1, k0, k1):
+        return k0 <= q1, k1 > q0
+
+    @staticmethod
+    def leaf_span(param, q_idx):
+        return INT64_MIN, q_idx + 1
 
 
-@dataclass(frozen=True)
-class SlidingWindowCausalMask(Mask):
+@register_leaf
+@dataclasses.dataclass(frozen=True)
+class SlidingWindowCausalMask(LeafMask):
     """Causal, and only the last ``window`` keys: ``k <= q`` and ``q - k < window``.
 
     Parameters
@@ -161,17 +351,38 @@ class SlidingWindowCausalMask(Mask):
     def __post_init__(self):
         _check_positive("SlidingWindowCausalMask", "window", self.window)
 
-    def visible(self, q_idx, k_idx):
-        q = np.asarray(q_idx)
-        k = np.asarray(k_idx)
-        return (k <= q) & (q - k < _program_size(self.window))
+    def leaf_parameter(self):
+        return self.window
 
-    def _program(self):
-        return [(OP_SLIDING_WINDOW_CAUSAL, _program_size(self.window))]
+    @staticmethod
+    def leaf_visible(window, q_idx, k_idx):
+        return (k_idx <= q_idx) & (q_idx - k_idx < window)
+
+    @staticmethod
+    def leaf_tile(window, q0, q1, k0, k1):
+        # the differences q - k of the tile are every integer of [q0 - k1, q1 - k0]; no
+        # q0 - window here: it may wrap past the int64 range
+        return k0 <= q1 and q0 - k1 < window, k1 > q0 or q1 - k0 >= window
+
+    @staticmethod
+    def leaf_span(window, q_idx):
+        # q_idx - window + 1, held at INT64_MIN where it would wrap
+        return max(q_idx, INT64_MIN + window - 1) - (window - 1), q_idx + 1
 
 
-@dataclass(frozen=True)
-class ChunkedMask(Mask):
+@body
+def _chunk_tile(chunk, q0, q1, k0, k1):
+    """(some chunk holds queries and keys of the tile, the whole tile is in one chunk)."""
+    cq0 = q0 // chunk
+    cq1 = q1 // chunk
+    ck0 = k0 // chunk
+    ck1 = k1 // chunk
+    return max(cq0, ck0) <= min(cq1, ck1), cq0 == cq1 and cq1 == ck0 and ck0 == ck1
+
+
+@register_leaf
+@dataclasses.dataclass(frozen=True)
+class ChunkedMask(LeafMask):
     """Keys in the same ``chunk``-aligned chunk as the query: ``q // chunk == k // chunk``.
 
     Parameters
@@ -191,16 +402,27 @@ class ChunkedMask(Mask):
     def __post_init__(self):
         _check_positive("ChunkedMask", "chunk", self.chunk)
 
-    def visible(self, q_idx, k_idx):
-        chunk = _program_size(self.chunk)
-        return np.asarray(q_idx) // chunk == np.asarray(k_idx) // chunk
+    def leaf_parameter(self):
+        return self.chunk
 
-    def _program(self):
-        return [(OP_CHUNKED, _program_size(self.chunk))]
+    @staticmethod
+    def leaf_visible(chunk, q_idx, k_idx):
+        return q_idx // chunk == k_idx // chunk
+
+    @staticmethod
+    def leaf_tile(chunk, q0, q1, k0, k1):
+        share_chunk, one_chunk = _chunk_tile(chunk, q0, q1, k0, k1)
+        return share_chunk, not one_chunk
+
+    @staticmethod
+    def leaf_span(chunk, q_idx):
+        start = (q_idx // chunk) * chunk
+        return start, start + chunk
 
 
-@dataclass(frozen=True)
-class ChunkedCausalMask(Mask):
+@register_leaf
+@dataclasses.dataclass(frozen=True)
+class ChunkedCausalMask(LeafMask):
     """Causal within the query's chunk: ``k <= q`` and ``q // chunk == k // chunk``.
 
     Parameters
@@ -220,17 +442,28 @@ class ChunkedCausalMask(Mask):
     def __post_init__(self):
         _check_positive("ChunkedCausalMask", "chunk", self.chunk)
 
-    def visible(self, q_idx, k_idx):
-        q = np.asarray(q_idx)
-        k = np.asarray(k_idx)
-        chunk = _program_size(self.chunk)
-        return (k <= q) & (q // chunk == k // chunk)
+    def leaf_parameter(self):
+        return self.chunk
 
-    def _program(self):
-        return [(OP_CHUNKED_CAUSAL, _program_size(self.chunk))]
+    @staticmethod
+    def leaf_visible(chunk, q_idx, k_idx):
+        # causal, and at most q_idx % chunk keys back (where the query's chunk starts): one
+        # division per pair, where '&' (which evaluates both sides) with
+        # q // chunk == k // chunk would take two
+        return (k_idx <= q_idx) & (q_idx - k_idx <= q_idx % chunk)
+
+    @staticmethod
+    def leaf_tile(chunk, q0, q1, k0, k1):
+        # a chunk shared by queries and keys with k0 <= q1 holds a key <= a query
+        share_chunk, one_chunk = _chunk_tile(chunk, q0, q1, k0, k1)
+        return share_chunk and k0 <= q1, k1 > q0 or not one_chunk
+
+    @staticmethod
+    def leaf_span(chunk, q_idx):
+        return (q_idx // chunk) * chunk, q_idx + 1
 
 
-@dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class MaterializedMask(Mask):
     """An additive mask tensor: scores become ``s + tensor[b, (h,) r, k_idx]``.
 
@@ -267,14 +500,15 @@ class MaterializedMask(Mask):
                 f"got shape {tuple(t.shape)}"
             )
 
+    # In the program, an always-visible leaf; its tensor goes to the kernels beside it.
     def visible(self, q_idx, k_idx):
-        return np.ones(np.broadcast_shapes(np.shape(q_idx), np.shape(k_idx)), dtype=bool)
+        return NullMask().visible(q_idx, k_idx)
 
     def _program(self):
-        return [(OP_NULL, 0)]
+        return NullMask()._program()
 
 
-@dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class AndMask(Mask):
     """Visible iff visible under both ``left`` and ``right`` (``left & right``).
 
@@ -300,7 +534,7 @@ class AndMask(Mask):
         return _binary_program(self.left, self.right, OP_AND)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class OrMask(Mask):
     """Visible iff visible under ``left`` or ``right`` (``left | right``).
 
@@ -395,7 +629,7 @@ def compile_mask(mask, name="mask"):
     >>> from numattn.masks import CausalMask, SlidingWindowCausalMask, compile_mask
     >>> program, additive = compile_mask(CausalMask() & SlidingWindowCausalMask(8))
     >>> program.tolist(), additive
-    ([[1, 0], [2, 8], [5, 0]], None)
+    ([[1, 0], [2, 8], [-1, 0]], None)
     """
     mask = as_mask(mask, name)
     # Masks are immutable: the program is built once per mask object and kept on it (shared
@@ -404,7 +638,7 @@ def compile_mask(mask, name="mask"):
     # one.
     compiled = mask.__dict__.get("_compiled")
     if compiled is None:
-        if type(mask) in _VALUE_MASKS:
+        if type(mask) in LEAF_TYPES:
             compiled = (_leaf_program(mask), None)
         else:
             leaves = _materialized_leaves(mask)
@@ -418,18 +652,14 @@ def compile_mask(mask, name="mask"):
     return program, (None if leaf is None else leaf.tensor)
 
 
-#: Masks compared by value (frozen dataclasses of integers): equal ones of exactly these
-#: types share a program.
-_VALUE_MASKS = (NullMask, CausalMask, SlidingWindowCausalMask, ChunkedMask, ChunkedCausalMask)
-
-
 def _program_array(mask):
     return np.asarray(mask._program(), dtype=np.int64).reshape(-1, 2)
 
 
 @functools.lru_cache(maxsize=256)
 def _leaf_program(mask):
-    """The program of a leaf mask, shared by every mask equal to it."""
+    """The program of a registered leaf mask (a frozen dataclass, compared by value),
+    shared by every mask equal to it."""
     return _program_array(mask)
 
 

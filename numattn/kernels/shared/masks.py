@@ -4,6 +4,10 @@ A mask program (:func:`numattn.core.masks.compile_mask`) is an ``int64`` array `
 of ``(opcode, parameter)`` rows in postfix order.  :func:`mask_visible` evaluates it for one
 pair, :func:`mask_tile_status` for a query range x key range, :func:`visible_span` as one
 run of keys per query; :func:`key_bias` and :func:`add_bias` read an additive tensor.
+
+What each leaf means comes from its class (:class:`numattn.core.masks.LeafMask`): the
+dispatchers ``_leaf_visible``, ``_leaf_tile`` and ``_leaf_span`` that call the leaf bodies by
+opcode are generated here from the registered leaves.
 """
 
 from __future__ import annotations
@@ -11,57 +15,47 @@ from __future__ import annotations
 import math
 
 from ...core.jit import body
-from ...core.masks import (
-    OP_AND,
-    OP_CAUSAL,
-    OP_CHUNKED,
-    OP_CHUNKED_CAUSAL,
-    OP_NULL,
-    OP_OR,
-    OP_SLIDING_WINDOW_CAUSAL,
-    TILE_FULL,
-    TILE_NONE,
-    TILE_PARTIAL,
-)
+from ...core.masks import OP_AND, OP_OR, TILE_FULL, TILE_NONE, TILE_PARTIAL, fixed_leaf_types
 
 
-@body
-def _leaf_visible(op, param, q_idx, k_idx):
-    if op == OP_NULL:
-        return 1
-    if op == OP_CAUSAL:
-        return 1 if k_idx <= q_idx else 0
-    if op == OP_SLIDING_WINDOW_CAUSAL:
-        return 1 if (k_idx <= q_idx and q_idx - k_idx < param) else 0
-    if op == OP_CHUNKED:
-        return 1 if q_idx // param == k_idx // param else 0
-    # OP_CHUNKED_CAUSAL
-    return 1 if (k_idx <= q_idx and q_idx // param == k_idx // param) else 0
+def _dispatcher_source(count):
+    """Source of the three dispatchers over leaves ``0 .. count - 1``: a branch per opcode
+    that calls ``_visible_<op>``, ``_tile_<op>`` or ``_span_<op>`` (the last one unguarded)."""
+    visible = ["def _leaf_visible(op, param, q_idx, k_idx):",
+               '    """1 when key k_idx is visible from query q_idx, else 0."""']
+    tile = ["def _leaf_tile(op, param, q0, q1, k0, k1):",
+            '    """(some pair visible, some pair hidden), as 1 or 0, for queries [q0, q1] x '
+            'keys [k0, k1]."""']
+    span = ["def _leaf_span(op, param, q_idx):",
+            '    """The run of keys [lo, hi) that query q_idx sees."""']
+    for op in range(count):
+        last = op == count - 1
+        pad = "    " if last else "        "
+        if not last:
+            for lines in (visible, tile, span):
+                lines.append(f"    if op == {op}:")
+        visible.append(f"{pad}return 1 if _visible_{op}(param, q_idx, k_idx) else 0")
+        tile.append(f"{pad}some_visible, some_hidden = _tile_{op}(param, q0, q1, k0, k1)")
+        tile.append(f"{pad}return (1 if some_visible else 0), (1 if some_hidden else 0)")
+        span.append(f"{pad}return _span_{op}(param, q_idx)")
+    return "\n\n".join("\n".join(lines) for lines in (visible, tile, span)) + "\n"
 
 
-@body
-def _leaf_tile(op, param, q0, q1, k0, k1):
-    """(some pair visible, some pair hidden) for queries [q0, q1] x keys [k0, k1]."""
-    if op == OP_NULL:
-        return 1, 0
-    if op == OP_CAUSAL:
-        return (1 if k0 <= q1 else 0), (1 if k1 > q0 else 0)
-    if op == OP_SLIDING_WINDOW_CAUSAL:
-        vis = 1 if (k0 <= q1 and q0 - k1 < param) else 0  # no q0 - param: it may wrap
-        hid = 1 if (k1 > q0 or q1 - k0 >= param) else 0
-        return vis, hid
-    cq0 = q0 // param
-    cq1 = q1 // param
-    ck0 = k0 // param
-    ck1 = k1 // param
-    share_chunk = 1 if (max(cq0, ck0) <= min(cq1, ck1)) else 0
-    one_chunk = cq0 == cq1 and cq1 == ck0 and ck0 == ck1
-    if op == OP_CHUNKED:
-        return share_chunk, (0 if one_chunk else 1)
-    # OP_CHUNKED_CAUSAL
-    vis = 1 if (share_chunk == 1 and k0 <= q1) else 0
-    hid = 1 if (k1 > q0 or not one_chunk) else 0
-    return vis, hid
+def _build_dispatchers():
+    scope = {"__name__": __name__}
+    leaves = fixed_leaf_types()
+    for op, leaf in enumerate(leaves):
+        scope[f"_visible_{op}"] = leaf.leaf_visible
+        scope[f"_tile_{op}"] = leaf.leaf_tile
+        scope[f"_span_{op}"] = leaf.leaf_span
+    # Numba cannot index a tuple of functions at run time: the dispatch on the opcode is
+    # source generated from the registered leaves, compiled once, here (under this file's
+    # name, which Numba's disk cache needs; the package's digest covers what it holds).
+    exec(compile(_dispatcher_source(len(leaves)), __file__, "exec"), scope)
+    return tuple(body(scope[name]) for name in ("_leaf_visible", "_leaf_tile", "_leaf_span"))
+
+
+_leaf_visible, _leaf_tile, _leaf_span = _build_dispatchers()
 
 
 @body
@@ -70,7 +64,7 @@ def mask_visible(program, q_idx, k_idx):
     stack = 0
     for i in range(program.shape[0]):
         op = program[i, 0]
-        if op == OP_AND or op == OP_OR:
+        if op < 0:  # OP_AND or OP_OR
             a = stack & 1
             b = (stack >> 1) & 1
             stack = stack >> 2
@@ -104,7 +98,7 @@ def mask_tile_status(program, q0, q1, k0, k1):
     hid = 0
     for i in range(program.shape[0]):
         op = program[i, 0]
-        if op == OP_AND or op == OP_OR:
+        if op < 0:  # OP_AND or OP_OR
             va = vis & 1
             vb = (vis >> 1) & 1
             ha = hid & 1
@@ -161,21 +155,12 @@ def visible_span(program, q_idx, k0, kw):
     hi = k0 + kw
     for i in range(program.shape[0]):
         op = program[i, 0]
-        param = program[i, 1]
         if op == OP_OR:
             return 0, 0, False
-        if op == OP_CAUSAL:
-            hi = min(hi, q_idx + 1)
-        elif op == OP_SLIDING_WINDOW_CAUSAL:
-            lo = max(lo, q_idx - param + 1)
-            hi = min(hi, q_idx + 1)
-        elif op == OP_CHUNKED:
-            start = (q_idx // param) * param
-            lo = max(lo, start)
-            hi = min(hi, start + param)
-        elif op == OP_CHUNKED_CAUSAL:
-            lo = max(lo, (q_idx // param) * param)
-            hi = min(hi, q_idx + 1)
+        if op >= 0:  # a leaf (OP_AND only pairs runs already intersected)
+            leaf_lo, leaf_hi = _leaf_span(op, program[i, 1], q_idx)
+            lo = max(lo, leaf_lo)
+            hi = min(hi, leaf_hi)
     lo = min(max(lo - k0, 0), kw)
     hi = max(min(hi - k0, kw), lo)
     return lo, hi, True
