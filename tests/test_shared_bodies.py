@@ -16,11 +16,6 @@ import pytest
 import numattn.kernels.shared as shared
 from numattn.core import jit as _jit
 from numattn.core.masks import (
-    OP_CAUSAL,
-    OP_CHUNKED,
-    OP_CHUNKED_CAUSAL,
-    OP_NULL,
-    OP_SLIDING_WINDOW_CAUSAL,
     TILE_FULL,
     TILE_NONE,
     TILE_PARTIAL,
@@ -69,8 +64,8 @@ def _programs():
     return [compile_mask(m)[0] for m in masks]
 
 
-_LEAVES = [(OP_NULL, 0), (OP_CAUSAL, 0), (OP_SLIDING_WINDOW_CAUSAL, 5), (OP_CHUNKED, 4),
-           (OP_CHUNKED_CAUSAL, 6)]
+_LEAVES = [(NullMask.opcode, 0), (CausalMask.opcode, 0), (SlidingWindowCausalMask.opcode, 5),
+           (ChunkedMask.opcode, 4), (ChunkedCausalMask.opcode, 6)]
 
 
 def _positions(rng, count):
@@ -141,6 +136,10 @@ def _leaf_tile_samples(rng, f):
     return [(op, param, *r) for op, param in _LEAVES for r in _ranges(rng, 6)]
 
 
+def _leaf_span_samples(rng, f):
+    return [(op, param, q) for op, param in _LEAVES for q, _ in _positions(rng, 6)]
+
+
 def _visible_samples(rng, f):
     return [(p, q, k) for p in _programs() for q, k in _positions(rng, 6)]
 
@@ -200,6 +199,7 @@ SAMPLES = {
     "softmax.merge_partials": (True, _merge_samples),
     "masks._leaf_visible": (False, _leaf_visible_samples),
     "masks._leaf_tile": (False, _leaf_tile_samples),
+    "masks._leaf_span": (False, _leaf_span_samples),
     "masks.mask_visible": (False, _visible_samples),
     "masks.mask_tile_status": (False, _tile_status_samples),
     "masks.visible_span": (False, _span_samples),
