@@ -2,8 +2,8 @@
 
 Flash attention over KV caches (dense, continuous-batching or paged), decode attention
 with split-K, and cross attention over ragged batches, with GQA, mask objects, additive
-masks and attention sinks.  CPU-first (Numba ``parallel=True``) with optional CUDA through
-``numba.cuda``; each operation's math is written once and shared by both backends.
+masks and attention sinks.  CPU-first (Numba ``parallel=True``) with optional CUDA
+through ``numba.cuda``; each operation's math is written once and shared by both backends.
 
 Importing numattn compiles nothing and does not import ``numba.cuda``.
 """

@@ -7,8 +7,9 @@ every (sequence, partition) computes a partial softmax state, and a reduction me
 exactly, with the sink logit counted once.  GQA: each K/V row is read once per KV head and
 serves all ``group`` query heads of that head.
 
-This module checks the arguments and dispatches: the CPU kernels are in
-:mod:`numattn.kernels.cpu.split_k`, the CUDA kernels in :mod:`numattn.kernels.cuda.split_k`.
+This module checks the arguments (:func:`numattn.core.problem.attention_problem`) and
+dispatches: the CPU kernels are in :mod:`numattn.kernels.cpu.split_k`, the CUDA kernels in
+:mod:`numattn.kernels.cuda.split_k`.
 """
 
 from __future__ import annotations
@@ -16,25 +17,23 @@ from __future__ import annotations
 import numpy as np
 
 from .core.config import resolve_config
-from .core.device import resolve_device
-from .core.kv_cache import KVCache, resolve_kv
-from .core.masks import NullMask, additive_4d, compile_mask
-from .core.problem import DecodeArgs
-from .core.validate import (
-    check_array,
-    check_float_dtype,
-    check_heads,
-    check_no_overlap,
-    check_out,
-    check_scale,
-    check_sink_weights,
-    shape_of,
+from .core.masks import NullMask
+from .core.problem import (
+    OUT_AFTER_READS,
+    OperationRules,
+    attention_problem,
 )
 
 __all__ = ["decode_attention"]
 
 #: The default mask (a frozen dataclass, safe to share).
 NO_MASK = NullMask()
+
+#: Bottom-right aligned queries; dense K/V only with one row per sequence; ``out`` is written
+#: by the reduction, after every key was read, so it may be q, k or v (not the sinks).
+RULES = OperationRules(queries_at_start=False, dense_kv_prefix=False,
+                       any_cache_when_empty=False, out_may_share=OUT_AFTER_READS,
+                       device_contiguous=False)
 
 
 def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
@@ -111,48 +110,30 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
     >>> bool(np.allclose(out, reference.decode_attention(q, k, v, CausalMask()), atol=1e-5))
     True
     """
-    check_array("q", q, ndim=3)
-    dtype = check_float_dtype("q", q)
-    batch, num_heads, head_dim = shape_of(q)
-    if head_dim < 1:
-        raise ValueError(f"q must be [B, H, D] with D >= 1, got shape {list(shape_of(q))}")
     config = resolve_config(config)
     num_partitions = _check_num_partitions(
         config.num_partitions if num_partitions is None else num_partitions
     )
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if not isinstance(k, KVCache):
-        check_array("k", k, ndim=4)
-        check_array("v", v, ndim=4)
-    layout = resolve_kv(k, v, batch=batch, dtype=dtype, kv_lens=np.ones(batch, np.int64))
-    if layout.head_dim != head_dim:
-        raise ValueError(
-            f"k and v must have head dimension D = {head_dim} (from q), got {layout.head_dim}"
-        )
-    check_heads(num_heads, layout.num_kv_heads)
-    scale = check_scale(scale, head_dim, dtype)
-    sinks = check_sink_weights(sink_weights, num_heads, dtype)
-    program, tensor = compile_mask(mask)
-    max_keys = layout.max_keys
-    additive = additive_4d(tensor, batch=batch, num_heads=num_heads, max_q_len=1,
-                           max_keys=max_keys, dtype=dtype, exact_rows=True)
-    device = resolve_device(
-        device, [q, layout.k_blocks, layout.v_blocks, tensor, out, sink_weights]
-    )
-    out = check_out(out, (batch, num_heads, head_dim), dtype)
-    # out may be q, k or v: every key is read before the reduction writes out
-    check_no_overlap(out, {"sink_weights": sinks})
-    args = DecodeArgs(layout, program, tensor is not None, additive,
-                       sinks if sinks is not None else np.zeros(num_heads, dtype),
-                       sinks is not None, dtype.type(scale), config, max_keys)
-    if device == "cuda":
-        from .kernels.cuda.split_k import run_decode_cuda as run
-    else:
-        from .kernels.cpu.split_k import run_decode_cpu as run
-    result, lse = run(q, args, num_partitions, out)
+    problem = attention_problem(q, k, v, mask, scale, rules=RULES, one_row=True,
+                                sink_weights=sink_weights, out=out, return_lse=return_lse,
+                                config=config, device=device)
+    result, lse = _run(problem, num_partitions, None)
     return (result, lse) if return_lse else result
 
+
+def _run(problem, num_partitions, launch):
+    """Run a checked problem on its device; on the CPU as ``launch`` says (``None``: as
+    :func:`~numattn.kernels.cpu.split_k.decode_launch` says for it).  Returns ``(out, lse)``."""
+    if problem.device == "cuda":
+        from .kernels.cuda.split_k import run_decode_cuda
+
+        return run_decode_cuda(problem, num_partitions)
+    from .kernels.cpu.split_k import decode_launch, run_decode_cpu
+
+    if launch is None:
+        launch = decode_launch(problem.layout, problem.q_offsets, problem.q.dtype,
+                               problem.config, num_partitions)
+    return run_decode_cpu(problem, launch)
 
 
 def _check_num_partitions(num_partitions):
