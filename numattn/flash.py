@@ -4,25 +4,36 @@ Checks the arguments and normalises every input form (padded BSHD or ragged quer
 ragged, continuous-batching or paged K/V) to one ragged problem over the paged addressing
 of :func:`numattn.core.kv_cache.resolve_kv` (:func:`numattn.core.problem.attention_problem`),
 and runs the CPU kernel (:func:`numattn.kernels.cpu.flash.run_flash_cpu`).
+:class:`FlashPlan` does the work that depends only on a step's row offsets, caches and mask
+once, for every layer of the step.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .core.kv_cache import KVCache
+from .core.config import resolve_config
+from .core.kv_cache import KVCache, PlannedKV
 from .core.masks import compile_mask
 from .core.problem import (
     OUT_MAY_BE_Q,
     OperationRules,
     attention_problem,
+    attention_step,
+    layer_problem,
 )
 from .core.validate import (
     check_array,
+    check_float_dtype,
+    check_row_offsets,
+    dtype_of,
+    host_int_array,
+    row_counts,
+    shape_of,
     to_host,
 )
 
-__all__ = ["flash_attention_kv_cache"]
+__all__ = ["FlashPlan", "flash_attention_kv_cache"]
 
 #: Bottom-right aligned queries; plain K/V as rows with ragged queries, dense with padded
 #: ones; ``out`` may be q itself (a tile of queries is read before its outputs are written).
@@ -132,3 +143,137 @@ def _check_on_host(q, k, v, mask):
     additive = None if mask is None else compile_mask(mask)[1]
     if additive is not None and not isinstance(additive, np.ndarray):
         raise TypeError(f"the additive mask must be a NumPy array, got {type(additive).__name__}")
+
+
+class FlashPlan:
+    """Flash attention over one step's ragged queries and caches, planned once and run for
+    every layer.
+
+    The layers of a model attend with the same row offsets over caches that share one
+    step's ``cache_lengths`` and ``lookup_table``.  A plan does once what depends only on
+    those, on the mask and on the configuration (as FlashInfer's ``plan()`` does): it checks
+    the offsets, the tables and the mask, and deals the work items to the threads.
+    :meth:`run` then checks only what a layer brings
+    (queries, the K/V storage, scale, sinks, ``out``) and runs the kernel: the same bits as
+    :func:`flash_attention_kv_cache` with the same arguments, configuration and thread
+    count.
+
+    Parameters
+    ----------
+    k, v : PagedKVCache, ContinuousBatchingKVCache, or ndarray [T_kv, Hkv, D]
+        The keys and values of any layer of the step (caches that hold this step's rows
+        already, or the step's ragged rows).  Every layer's must be of the same kind, with
+        storage of the same shape and dtype and, for caches, the same ``cache_lengths`` and
+        ``lookup_table`` (the same objects, or equal ones).
+    mask : Mask, ndarray or None
+        As :func:`flash_attention_kv_cache` takes it, for every layer.
+    q_input_row_offsets : int array [B + 1]
+        Rows of each sequence in the ragged queries ``[T, H, D]`` of every layer.
+    kv_input_row_offsets : int array [B + 1], optional
+        New K/V rows per sequence, as :func:`flash_attention_kv_cache` takes them.
+    config : MHAConfig, optional
+        As :func:`flash_attention_kv_cache` takes it.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`flash_attention_kv_cache` raises them for the same arguments.
+
+    Notes
+    -----
+    A plan holds one step: once the offsets or tables change, make a new one.  It does not
+    notice tables changed in place after it was made: its runs then keep computing the step
+    it was made for (they never read outside the pages).  The split of the work among
+    threads is fixed when the plan is made, from the number of threads then.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import CausalMask, FlashPlan, PagedKVCache, flash_attention_kv_cache
+    >>> rng = np.random.default_rng(0)
+    >>> offsets = np.array([0, 3, 5])  # 3 and 2 new tokens after 4 and 9 cached ones
+    >>> lengths, table = np.array([4, 9]), np.array([[0, 1], [2, 3]])
+    >>> def cache():
+    ...     return PagedKVCache(rng.standard_normal((4, 8, 2, 16), dtype=np.float32),
+    ...                         lengths, table)
+    >>> layers = [(cache(), cache()) for _ in range(3)]
+    >>> plan = FlashPlan(*layers[0], CausalMask(), q_input_row_offsets=offsets)
+    >>> q = rng.standard_normal((5, 4, 16), dtype=np.float32)
+    >>> outs = [plan.run(q, k, v) for k, v in layers]
+    >>> all(np.array_equal(out, flash_attention_kv_cache(q, k, v, CausalMask(),
+    ...                                                  q_input_row_offsets=offsets))
+    ...     for out, (k, v) in zip(outs, layers))
+    True
+    """
+
+    def __init__(self, k, v, mask, *, q_input_row_offsets, kv_input_row_offsets=None,
+                 config=None):
+        config = resolve_config(config)
+        _check_on_host(None, k, v, mask)
+        if isinstance(k, KVCache):
+            dtype = k.dtype
+        else:
+            check_array("k", k)
+            dtype = check_float_dtype("k", k)
+        offsets = host_int_array("q_input_row_offsets", q_input_row_offsets)
+        self._total = int(offsets[-1]) if offsets.shape[0] else 0
+        q_offsets = check_row_offsets("q_input_row_offsets", offsets, self._total,
+                                      "its last entry")
+        q_lens = row_counts(q_offsets)
+        program, tensor = compile_mask(mask)
+        step = attention_step(
+            k, v, program, tensor, q_offsets=q_offsets, q_lens=q_lens,
+            max_q_len=int(q_lens.max(initial=0)), kv_offsets=kv_input_row_offsets,
+            ragged=True, dtype=dtype, num_heads=None, config=config, rules=RULES,
+        )
+        self._kv = PlannedKV(k, v, step.layout)
+        self._step = step._replace(layout=self._kv.layout)
+        from .kernels.cpu.flash import run_flash_cpu, work_items
+
+        self._run_cpu = run_flash_cpu  # kept: no import at every run
+        self._items = work_items(self._step)
+
+    def run(self, q, k, v, *, scale=None, sink_weights=None, out=None, return_lse=False):
+        """Flash attention of one layer.
+
+        Parameters
+        ----------
+        q : ndarray, shape [T, H, D]
+            The layer's ragged queries, of the plan's dtype, split by the plan's
+            ``q_input_row_offsets``.
+        k, v : caches or arrays
+            The layer's keys and values, as the plan's (see :class:`FlashPlan`).
+        scale, sink_weights, out, return_lse
+            As :func:`flash_attention_kv_cache` takes them.
+
+        Returns
+        -------
+        out : ndarray, shape [T, H, D]
+        lse : ndarray, shape [T, H]
+            Only with ``return_lse=True``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As :func:`flash_attention_kv_cache` raises them; ``ValueError`` also if ``k``
+            or ``v`` is not what the plan was made for.  Nothing is written then.
+        """
+        step = self._step
+        _check_on_host(q, k, v, None)
+        check_array("q", q, ndim=3)
+        if dtype_of(q) != step.dtype:
+            raise TypeError(f"q must have the plan's dtype {step.dtype}, got {dtype_of(q)}")
+        if shape_of(q)[0] != self._total:
+            raise ValueError(f"q must have T = {self._total} rows, as the plan's "
+                             f"q_input_row_offsets, got shape {list(shape_of(q))}")
+        if shape_of(q)[2] < 1:
+            raise ValueError(f"q must have a head dimension D >= 1, got shape "
+                             f"{list(shape_of(q))}")
+        if not isinstance(return_lse, (bool, np.bool_)):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        layout = self._kv.layout_of(k, v)
+        problem = layer_problem(step, q, layout, scale,
+                                None if sink_weights is None else to_host(sink_weights), out,
+                                return_lse, "cpu")
+        result, lse = self._run_cpu(problem, self._items)
+        return (result, lse) if return_lse else result

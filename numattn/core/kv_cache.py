@@ -45,6 +45,7 @@ __all__ = [
     "KVCache",
     "KVLayout",
     "PagedKVCache",
+    "PlannedKV",
     "kv_storage",
     "resolve_kv",
 ]
@@ -460,3 +461,90 @@ def _check_cache_tables(lengths, kv_lens, table, capacity, num_pages, page_size,
                 return _BAD_PAGE, b, j, 0, 0
             kernel_table[b, j] = page * step
     return 0, 0, 0, max_keys, total_keys
+
+
+class PlannedKV:
+    """What a plan checks of each layer's K and V against those it was made from: the kind
+    of input, the shape and dtype of the storage, and, for caches, the ``cache_lengths``
+    and ``lookup_table`` (the same objects, or equal ones).
+
+    Parameters
+    ----------
+    k, v : caches or arrays
+        The K and V the plan was made from (checked already).
+    layout : KVLayout
+        Their layout (:func:`resolve_kv`); the plan keeps it without the pages.
+    """
+
+    def __init__(self, k, v, layout):
+        self.kind = type(k)
+        self.is_cache = isinstance(k, KVCache)
+        storage = k.blocks if self.is_cache else k
+        self.shape = tuple(shape_of(storage))
+        self.dtype = dtype_of(storage)
+        self.layout = layout.with_storage(None, None)
+        # whether contiguous storage is read as it is (not ragged rows, nor pages of a pool)
+        self.pages_as_given = len(self.shape) == 4 and layout.page_step == 1
+        self.lengths = self.table = None
+        if self.is_cache:
+            cls = type(k).__name__
+            self.lengths, self.table = k.cache_lengths, k.lookup_table  # the planned objects
+            self.values = {  # host copies of their values
+                name: host_int_array(f"{cls}.{name}", getattr(k, name), ndim=ndim).copy()
+                for name, ndim in (("cache_lengths", 1), ("lookup_table", k._table_ndim))
+            }
+
+    def layout_of(self, k, v):
+        """The planned layout over ``k`` and ``v``'s pages (:func:`kv_storage`).
+
+        Raises
+        ------
+        ValueError
+            If ``k`` or ``v`` is not of the planned kind, shape and dtype, or holds other
+            cache tables than the plan's, or pages of another stride.
+        """
+        kind = self.kind
+        if type(k) is kind and type(v) is kind:
+            if self.is_cache:
+                k_blocks, v_blocks = k.blocks, v.blocks
+                same_tables = (k.cache_lengths is self.lengths and v.cache_lengths is self.lengths
+                               and k.lookup_table is self.table and v.lookup_table is self.table)
+            else:
+                k_blocks, v_blocks, same_tables = k, v, True
+            # the common case, in a few operations: the planned tables, contiguous host pages
+            if (same_tables and self.pages_as_given and type(k_blocks) is np.ndarray
+                    and type(v_blocks) is np.ndarray and k_blocks.shape == self.shape
+                    and v_blocks.shape == self.shape and k_blocks.dtype == self.dtype
+                    and v_blocks.dtype == self.dtype and k_blocks.flags.c_contiguous
+                    and v_blocks.flags.c_contiguous):
+                return self.layout.with_storage(k_blocks, v_blocks)
+        for name, x in (("k", k), ("v", v)):
+            self._check(name, x)
+        k_pages, v_pages, step = kv_storage(k, v)
+        if step != self.layout.page_step:
+            raise ValueError("k and v pages are laid out with another page stride than the "
+                             "plan's: make a plan for this layout")
+        return self.layout.with_storage(k_pages, v_pages)
+
+    def _check(self, name, x):
+        """Refuse a K or V that is not what the plan was made for."""
+        if type(x) is not self.kind:
+            raise ValueError(f"{name} must be a {self.kind.__name__} as the plan's K/V "
+                             f"were, got {type(x).__name__}")
+        storage = x.blocks if self.is_cache else x
+        dtype = dtype_of(storage)
+        if tuple(shape_of(storage)) != self.shape or dtype != self.dtype:
+            what = f"{name}.blocks" if self.is_cache else name
+            raise ValueError(
+                f"{what} must have the plan's shape {list(self.shape)} and dtype "
+                f"{self.dtype}, got {list(shape_of(storage))} and {dtype}")
+        if self.is_cache:
+            for attribute, planned in (("cache_lengths", self.lengths),
+                                       ("lookup_table", self.table)):
+                given = getattr(x, attribute)
+                values = self.values[attribute]
+                if given is not planned and not np.array_equal(
+                        host_int_array(f"{name}.{attribute}", given, ndim=values.ndim), values):
+                    raise ValueError(
+                        f"{name}.{attribute} differs from the plan's (a plan holds one "
+                        f"step's cache tables: make a new plan for new ones)")
