@@ -4,11 +4,14 @@ Run ``python benchmarks/bench_overhead.py`` (``--calls N`` calls per round).  A 
 one attention call per layer and token, so on short contexts the fixed cost of a call (its
 argument checks, cache-table checks, kernel launches) is what a user waits for, not the
 memory or arithmetic.  Each case is tiny (float32, H = 32, Hkv = 8, D = 128, paged caches with
-pages of 16); it prints the median microseconds per call of numattn and of PyTorch's CPU
+pages of 16); it prints the median microseconds per call of numattn's plain call, of a
+layer's run of a plan made once for the step (:class:`numattn.DecodePlan`,
+:class:`numattn.FlashPlan`; the layers of a step share its cache tables, so the plan's cost
+is spread over them and left out here), and of PyTorch's CPU
 ``scaled_dot_product_attention`` on the same work (dense K/V, ``enable_gqa=True``; a padded
-causal mask for the prefill cases), and torch's time over numattn's (above 1: numattn is
-faster).  The contenders take turns in blocks of calls, round after round, so that both see
-the same state of a shared machine.
+causal mask for the prefill cases), then torch's time over each of numattn's (above 1:
+numattn is faster).  The contenders take turns in blocks of calls, round after round, so
+that all see the same state of a shared machine.
 """
 
 from __future__ import annotations
@@ -50,22 +53,26 @@ def cache_pair(rng, batch, num_keys):
 
 
 def decode_case(rng, torch, batch, num_keys):
+    """The plain call, a plan's run and torch's call (``None`` without torch)."""
     k_pages, v_pages, table, k_dense, v_dense = cache_pair(rng, batch, num_keys)
     lengths = np.full(batch, num_keys - 1)
     k = numattn.PagedKVCache(k_pages, lengths, table)
     v = numattn.PagedKVCache(v_pages, lengths, table)
     q = rng.standard_normal((batch, HEADS, HEAD_DIM), dtype=np.float32)
     out = np.empty_like(q)
+    plan = numattn.DecodePlan(k, v)
     ours = lambda: decode_attention(q, k, v, out=out)  # noqa: E731
+    planned = lambda: plan.run(q, k, v, out=out)  # noqa: E731
     if torch is None:
-        return ours, None
+        return ours, planned, None
     tq, tk, tv = (torch.from_numpy(x) for x in (q[:, :, None], k_dense, v_dense))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    return ours, lambda: sdpa(tq, tk, tv, enable_gqa=True)
+    return ours, planned, lambda: sdpa(tq, tk, tv, enable_gqa=True)
 
 
 def prefill_case(rng, torch, batch, q_len, num_keys, operation):
-    """``q_len`` new tokens per sequence after ``num_keys - q_len`` cached ones, causal."""
+    """``q_len`` new tokens per sequence after ``num_keys - q_len`` cached ones, causal: the
+    plain call, a plan's run (flash; ``None`` for cross) and torch's call."""
     k_pages, v_pages, table, k_dense, v_dense = cache_pair(rng, batch, num_keys)
     lengths = np.full(batch, num_keys - q_len)
     k = numattn.PagedKVCache(k_pages, lengths, table)
@@ -73,16 +80,22 @@ def prefill_case(rng, torch, batch, q_len, num_keys, operation):
     q = rng.standard_normal((batch * q_len, HEADS, HEAD_DIM), dtype=np.float32)
     offsets = np.arange(batch + 1, dtype=np.int64) * q_len
     out = np.empty_like(q)
+    planned = None
     if operation == "flash":
         def ours():
             flash_attention_kv_cache(q, k, v, numattn.CausalMask(), q_input_row_offsets=offsets,
                                      out=out)
+
+        plan = numattn.FlashPlan(k, v, numattn.CausalMask(), q_input_row_offsets=offsets)
+
+        def planned():
+            plan.run(q, k, v, out=out)
     else:
         # cross attention's queries sit at 0 .. q_len - 1: the same keys, no mask
         def ours():
             cross_attention(q, offsets, q_len, k, v, offsets, out=out)
     if torch is None:
-        return ours, None
+        return ours, planned, None
     tq = torch.from_numpy(np.ascontiguousarray(
         q.reshape(batch, q_len, HEADS, HEAD_DIM).transpose(0, 2, 1, 3)))
     tk, tv = torch.from_numpy(k_dense), torch.from_numpy(v_dense)
@@ -92,7 +105,7 @@ def prefill_case(rng, torch, batch, q_len, num_keys, operation):
         visible = np.ones_like(visible)
     tmask = torch.from_numpy(visible)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    return ours, lambda: sdpa(tq, tk, tv, attn_mask=tmask, enable_gqa=True)
+    return ours, planned, lambda: sdpa(tq, tk, tv, attn_mask=tmask, enable_gqa=True)
 
 
 def per_call_times(fns, *, calls, rounds):
@@ -125,14 +138,23 @@ def main(argv=None):
     ]
     print(f"float32 H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM}; {os.cpu_count()} cores; "
           f"torch {'yes' if torch is not None else 'no'}")
-    print(f"{'case':<22}{'numattn us':>11}{'torch us':>10}{'speedup':>9}")
-    for label, (ours, theirs) in cases:
-        fns = [ours] if theirs is None else [ours, theirs]
-        medians = per_call_times(fns, calls=args.calls, rounds=args.rounds)
-        line = f"{label:<22}{medians[0] * 1e6:>11.1f}"
-        if theirs is not None:
-            line += f"{medians[1] * 1e6:>10.1f}{medians[1] / medians[0]:>8.2f}x"
+    print(f"{'case':<22}{'call us':>9}{'plan us':>9}{'torch us':>10}{'torch/call':>12}"
+          f"{'torch/plan':>12}{'call/plan':>11}")
+    for label, fns in cases:
+        medians = per_call_times([fn for fn in fns if fn is not None], calls=args.calls,
+                                 rounds=args.rounds)
+        call, plan, torch_time = (medians.pop(0) if fn is not None else None for fn in fns)
+        line = f"{label:<22}{call * 1e6:>9.1f}" + _us(plan) + _us(torch_time, 10)
+        line += _ratio(torch_time, call) + _ratio(torch_time, plan) + _ratio(call, plan, 11)
         print(line)
+
+
+def _us(seconds, width=9):
+    return f"{'-' if seconds is None else f'{seconds * 1e6:.1f}':>{width}}"
+
+
+def _ratio(a, b, width=12):
+    return f"{'-' if a is None or b is None else f'{a / b:.2f}x':>{width}}"
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Flash attention over KV caches (dense, continuous-batching or paged), decode attention
 with split-K, and cross attention over ragged batches, with GQA, mask objects, additive
-masks and attention sinks.  CPU-first (Numba ``parallel=True``) with optional CUDA through
-``numba.cuda``; each operation's math is written once and shared by both backends.
+masks and attention sinks; plans (:class:`DecodePlan`, :class:`FlashPlan`) do the work of
+a step once for all its layers.  CPU-first (Numba ``parallel=True``) with optional CUDA
+through ``numba.cuda``; each operation's math is written once and shared by both backends.
 
 Importing numattn compiles nothing and does not import ``numba.cuda``.
 """
@@ -12,8 +13,8 @@ from . import reference
 from .core.config import MHAConfig
 from .core.device import CudaUnavailableError
 from .cross import cross_attention
-from .decode import decode_attention
-from .flash import flash_attention_kv_cache
+from .decode import DecodePlan, decode_attention
+from .flash import FlashPlan, flash_attention_kv_cache
 from .kv_cache import ContinuousBatchingKVCache, PagedKVCache, store_kv
 from .masks import (
     AndMask,
@@ -37,6 +38,8 @@ __all__ = [
     "ChunkedMask",
     "ContinuousBatchingKVCache",
     "CudaUnavailableError",
+    "DecodePlan",
+    "FlashPlan",
     "MHAConfig",
     "Mask",
     "MaterializedMask",

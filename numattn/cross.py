@@ -7,6 +7,7 @@ continuous-batching or paged cache that already holds them after its cached toke
 that ``num_keys(b) = cache_len(b) + kv_len(b)``.  Unlike the other operations, query row
 ``r`` of a sequence sits at ``q_idx = r`` for the masks (it is not bottom-right aligned).
 
+The arguments are checked and normalised by :func:`numattn.core.problem.attention_problem`.
 On the CPU this is flash attention with every sequence's first query at position 0
 (:func:`numattn.kernels.cpu.flash.run_flash_cpu`); on CUDA the tiled kernel of
 :mod:`numattn.kernels.cuda.flash`.
@@ -16,28 +17,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core.config import resolve_config
-from .core.device import is_device_array, require_cuda, resolve_device
-from .core.kv_cache import KVCache, resolve_kv
-from .core.masks import NullMask, additive_4d, compile_mask
-from .core.validate import (
-    check_array,
-    check_float_dtype,
-    check_heads,
-    check_no_overlap,
-    check_out,
-    check_row_offsets,
-    check_scale,
-    dtype_of,
-    host_int_array,
-    row_counts,
-    shape_of,
-)
+from .core.device import is_device_array, require_cuda
+from .core.masks import NullMask
+from .core.problem import OUT_APART, OperationRules, attention_problem
 
 __all__ = ["cross_attention"]
 
 #: The default mask (a frozen dataclass, safe to share).
 NO_MASK = NullMask()
+
+#: Queries at positions 0, 1, ..; dense K/V may serve ragged queries (the first kv_len(b)
+#: rows of each sequence); a batch of no sequences reads nothing, so any cache will do; the
+#: CUDA kernel accumulates in ``out`` (it shares memory with no input) and reads device
+#: arrays as C-contiguous.
+RULES = OperationRules(queries_at_start=True, dense_kv_prefix=True, any_cache_when_empty=True,
+                       out_may_share=OUT_APART, device_contiguous=True)
 
 
 def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_offsets,
@@ -122,149 +116,33 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
     >>> bool(np.allclose(out[0, :, :], kv[0, [0, 0, 1, 1], :]))  # row 0 sees key 0 only
     True
     """
-    # ---- validate everything before any work -------------------------------------------
-    config = resolve_config(config)
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    check_array("q", q, ndim=3)
-    dtype = check_float_dtype("q", q)
-    num_tokens, num_heads, head_dim = shape_of(q)
-    if head_dim < 1:
-        raise ValueError(f"q must have a head dimension D >= 1, got shape {[*shape_of(q)]}")
-    program, additive = compile_mask(mask)
-    device = resolve_device(device, [q, *_kv_arrays(k), *_kv_arrays(v), out, additive])
-    q_offsets = check_row_offsets("q_input_row_offsets", q_input_row_offsets, num_tokens,
-                                  "q.shape[0]")
-    batch = q_offsets.shape[0] - 1
-    q_lens = row_counts(q_offsets)
-    longest_query = int(q_lens.max(initial=0))
-    q_max_seq_len = _check_q_max_seq_len(q_max_seq_len, longest_query)
-    scale = check_scale(scale, head_dim, dtype)
-    layout = _resolve_kv(k, v, kv_input_row_offsets, q_offsets, batch, dtype, device)
-    if layout.head_dim != head_dim:
-        raise ValueError(
-            f"k and v must have head dimension D = {head_dim} (q.shape[2]), got "
-            f"{layout.head_dim}"
-        )
-    group = check_heads(num_heads, layout.num_kv_heads)
-    max_keys = layout.max_keys
-    additive4 = additive_4d(additive, batch=batch, num_heads=num_heads,
-                            max_q_len=q_max_seq_len, max_keys=max_keys, dtype=dtype)
-    out = check_out(out, (num_tokens, num_heads, head_dim), dtype)
-    # unlike flash's, the CUDA kernel accumulates in out: out must not be q either
-    check_no_overlap(out, {"q": q, "k": layout.k_blocks, "v": layout.v_blocks,
-                           "mask": additive4})
-    if device == "cuda":
-        cuda = require_cuda()
-        for name, x in (("q", q), ("out", out), ("mask", additive)):
-            _check_device_contiguous(cuda, name, x)
-
-    # ---- dispatch ------------------------------------------------------------------------
-    if batch == 0:  # nothing to compute: return at once, leaving ``out`` untouched
-        return _empty_result(q, out, (num_tokens, num_heads, head_dim), dtype, return_lse)
-    if device == "cpu":
-        return _cross_cpu(q, q_offsets, layout, program, additive4, additive is not None,
-                          scale, config, out, return_lse)
-    from .kernels.cuda.flash import run_cross_cuda
-
-    return run_cross_cuda(q, q_offsets, layout, program, additive4, additive is not None, scale,
-                       group, config, out, return_lse)
-
-
-# --------------------------------------------------------------------------------------
-# Validation helpers.
-# --------------------------------------------------------------------------------------
-def _kv_arrays(x):
-    """The arrays of a K or V input (for device detection)."""
-    return (x.blocks,) if isinstance(x, KVCache) else (x,)
-
-
-def _check_q_max_seq_len(q_max_seq_len, longest_query):
     if isinstance(q_max_seq_len, (bool, np.bool_)) or not isinstance(
         q_max_seq_len, (int, np.integer)
     ):
         raise TypeError(
             f"q_max_seq_len must be an integer, got {type(q_max_seq_len).__name__}"
         )
-    if q_max_seq_len < longest_query:
-        raise ValueError(
-            f"q_max_seq_len must be >= every query sequence length ({longest_query} by "
-            f"q_input_row_offsets), got {q_max_seq_len}"
-        )
-    return int(q_max_seq_len)
+    problem = attention_problem(
+        q, k, v, mask, scale, rules=RULES, q_offsets=q_input_row_offsets,
+        kv_offsets=kv_input_row_offsets, q_max_seq_len=q_max_seq_len, out=out,
+        return_lse=return_lse, config=config, device=device,
+    )
+    if problem.q_offsets.shape[0] == 1:  # no sequence: return at once, out untouched
+        return _empty_result(problem)
+    if problem.device == "cuda":
+        from .kernels.cuda.flash import run_cross_cuda
 
-
-def _resolve_kv(k, v, kv_input_row_offsets, q_offsets, batch, dtype, device):
-    """The :class:`KVLayout` of K/V, with ``num_keys = cache_len + kv_len`` per sequence."""
-    if kv_input_row_offsets is None:
-        kv_offsets = None
-    else:
-        kv_offsets = host_int_array("kv_input_row_offsets", kv_input_row_offsets)
-        total = int(kv_offsets[-1]) if kv_offsets.shape[0] else 0
-        kv_offsets = check_row_offsets("kv_input_row_offsets", kv_offsets, total,
-                                       "its last entry", batch=batch)
-    if device == "cuda":
-        cuda = require_cuda()
-        for name, x in (("k", k), ("v", v)):
-            for arr in _kv_arrays(x):
-                _check_device_contiguous(cuda, name, arr)
-    if isinstance(k, KVCache):
-        if batch == 0:  # nothing is read: accept a cache of any batch size
-            return resolve_kv(k, v, batch=k.batch_size, dtype=dtype)
-        kv_lens = row_counts(q_offsets if kv_offsets is None else kv_offsets)
-        return resolve_kv(k, v, batch=batch, dtype=dtype, kv_lens=kv_lens)
-    if hasattr(k, "shape") and len(k.shape) == 3:
-        offsets = q_offsets if kv_offsets is None else kv_offsets
-        if kv_offsets is None and shape_of(k)[0] != offsets[-1]:
-            raise ValueError(
-                f"ragged k of shape {list(shape_of(k))} needs kv_input_row_offsets (without "
-                f"them the queries' split is used, which covers {offsets[-1]} rows)"
-            )
-        return resolve_kv(k, v, batch=batch, dtype=dtype, kv_offsets=offsets)
-    layout = resolve_kv(k, v, batch=batch, dtype=dtype)
-    if kv_offsets is not None and len(shape_of(k)) == 4:  # dense: first kv_len(b) rows
-        kv_lens = row_counts(kv_offsets)
-        n = shape_of(k)[1]
-        if np.any(kv_lens > n):
-            b = int(np.argmax(kv_lens > n))
-            raise ValueError(
-                f"kv_input_row_offsets gives sequence {b} {kv_lens[b]} key rows but the dense "
-                f"k holds N = {n} per sequence"
-            )
-        layout = layout._replace(num_keys=kv_lens, max_keys=int(kv_lens.max(initial=0)),
-                                 total_keys=int(kv_lens.sum()))
-    return layout
-
-
-def _check_device_contiguous(cuda, name, x):
-    """Device arrays are used in place, so they must be C-contiguous."""
-    if x is None or not is_device_array(x):
-        return
-    view = x if hasattr(x, "is_c_contiguous") else cuda.as_cuda_array(x)
-    if not view.is_c_contiguous():
-        raise ValueError(f"{name} must be C-contiguous on the device")
-
-
-def _empty_result(q, out, shape, dtype, return_lse):
-    """The result of a batch of zero sequences (nothing launched, ``out`` untouched)."""
-    on_device = is_device_array(q if out is None else out)
-    empty = require_cuda().device_array if on_device else np.empty
-    result = out if out is not None else empty(shape, dtype=dtype)
-    return (result, empty(shape[:2], dtype=dtype)) if return_lse else result
-
-
-# --------------------------------------------------------------------------------------
-# CPU: the flash kernel with every sequence's first query at position 0.
-# --------------------------------------------------------------------------------------
-def _cross_cpu(q, q_offsets, layout, program, additive, has_additive, scale, config, out,
-               return_lse):
-    num_tokens, num_heads, head_dim = shape_of(q)
-    dtype = dtype_of(q)
-    result = out if out is not None else np.empty((num_tokens, num_heads, head_dim), dtype)
-    lse = np.empty((num_tokens, num_heads), dtype) if return_lse else None
-    batch = q_offsets.shape[0] - 1
+        return run_cross_cuda(problem)
     from .kernels.cpu.flash import run_flash_cpu
 
-    run_flash_cpu(np.ascontiguousarray(q), q_offsets, np.zeros(batch, np.int64), layout,
-                  program, additive, has_additive, scale, None, config, result, lse)
+    result, lse = run_flash_cpu(problem)
     return (result, lse) if return_lse else result
+
+
+def _empty_result(problem):
+    """The result of a batch of zero sequences (nothing launched, ``out`` untouched)."""
+    shape, out, dtype = problem.out_shape, problem.out, problem.q.dtype
+    on_device = is_device_array(problem.q if out is None else out)
+    empty = require_cuda().device_array if on_device else np.empty
+    result = out if out is not None else empty(shape, dtype=dtype)
+    return (result, empty(shape[:2], dtype=dtype)) if problem.return_lse else result

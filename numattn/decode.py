@@ -7,8 +7,10 @@ every (sequence, partition) computes a partial softmax state, and a reduction me
 exactly, with the sink logit counted once.  GQA: each K/V row is read once per KV head and
 serves all ``group`` query heads of that head.
 
-This module checks the arguments and dispatches: the CPU kernels are in
-:mod:`numattn.kernels.cpu.split_k`, the CUDA kernels in :mod:`numattn.kernels.cuda.split_k`.
+This module checks the arguments (:func:`numattn.core.problem.attention_problem`) and
+dispatches: the CPU kernels are in :mod:`numattn.kernels.cpu.split_k`, the CUDA kernels in
+:mod:`numattn.kernels.cuda.split_k`.  :class:`DecodePlan` does the work that depends only
+on a step's caches and mask once, for every layer of the step.
 """
 
 from __future__ import annotations
@@ -17,24 +19,27 @@ import numpy as np
 
 from .core.config import resolve_config
 from .core.device import resolve_device
-from .core.kv_cache import KVCache, resolve_kv
-from .core.masks import NullMask, additive_4d, compile_mask
-from .core.problem import DecodeArgs
-from .core.validate import (
-    check_array,
-    check_float_dtype,
-    check_heads,
-    check_no_overlap,
-    check_out,
-    check_scale,
-    check_sink_weights,
-    shape_of,
+from .core.kv_cache import KVCache, PlannedKV
+from .core.masks import NullMask, compile_mask
+from .core.problem import (
+    OUT_AFTER_READS,
+    OperationRules,
+    attention_problem,
+    attention_step,
+    layer_problem,
 )
+from .core.validate import check_array, check_float_dtype, shape_of
 
-__all__ = ["decode_attention"]
+__all__ = ["DecodePlan", "decode_attention"]
 
 #: The default mask (a frozen dataclass, safe to share).
 NO_MASK = NullMask()
+
+#: Bottom-right aligned queries; dense K/V only with one row per sequence; ``out`` is written
+#: by the reduction, after every key was read, so it may be q, k or v (not the sinks).
+RULES = OperationRules(queries_at_start=False, dense_kv_prefix=False,
+                       any_cache_when_empty=False, out_may_share=OUT_AFTER_READS,
+                       device_contiguous=False)
 
 
 def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
@@ -111,48 +116,188 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
     >>> bool(np.allclose(out, reference.decode_attention(q, k, v, CausalMask()), atol=1e-5))
     True
     """
-    check_array("q", q, ndim=3)
-    dtype = check_float_dtype("q", q)
-    batch, num_heads, head_dim = shape_of(q)
-    if head_dim < 1:
-        raise ValueError(f"q must be [B, H, D] with D >= 1, got shape {list(shape_of(q))}")
     config = resolve_config(config)
     num_partitions = _check_num_partitions(
         config.num_partitions if num_partitions is None else num_partitions
     )
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if not isinstance(k, KVCache):
-        check_array("k", k, ndim=4)
-        check_array("v", v, ndim=4)
-    layout = resolve_kv(k, v, batch=batch, dtype=dtype, kv_lens=np.ones(batch, np.int64))
-    if layout.head_dim != head_dim:
-        raise ValueError(
-            f"k and v must have head dimension D = {head_dim} (from q), got {layout.head_dim}"
-        )
-    check_heads(num_heads, layout.num_kv_heads)
-    scale = check_scale(scale, head_dim, dtype)
-    sinks = check_sink_weights(sink_weights, num_heads, dtype)
-    program, tensor = compile_mask(mask)
-    max_keys = layout.max_keys
-    additive = additive_4d(tensor, batch=batch, num_heads=num_heads, max_q_len=1,
-                           max_keys=max_keys, dtype=dtype, exact_rows=True)
-    device = resolve_device(
-        device, [q, layout.k_blocks, layout.v_blocks, tensor, out, sink_weights]
-    )
-    out = check_out(out, (batch, num_heads, head_dim), dtype)
-    # out may be q, k or v: every key is read before the reduction writes out
-    check_no_overlap(out, {"sink_weights": sinks})
-    args = DecodeArgs(layout, program, tensor is not None, additive,
-                       sinks if sinks is not None else np.zeros(num_heads, dtype),
-                       sinks is not None, dtype.type(scale), config, max_keys)
-    if device == "cuda":
-        from .kernels.cuda.split_k import run_decode_cuda as run
-    else:
-        from .kernels.cpu.split_k import run_decode_cpu as run
-    result, lse = run(q, args, num_partitions, out)
+    problem = attention_problem(q, k, v, mask, scale, rules=RULES, one_row=True,
+                                sink_weights=sink_weights, out=out, return_lse=return_lse,
+                                config=config, device=device)
+    result, lse = _run(problem, num_partitions, None)
     return (result, lse) if return_lse else result
 
+
+class DecodePlan:
+    """Decode attention over one step's caches, planned once and run for every layer.
+
+    The layers of a model attend over caches that share one step's ``cache_lengths`` and
+    ``lookup_table``.  A plan does once what depends only on those, on the mask and on the
+    configuration (as FlashInfer's ``plan()`` does): it checks the tables and the mask,
+    fixes the key partitions and the order of the work items.  :meth:`run` then checks only
+    what a layer brings (queries, the K/V storage, scale, sinks, ``out``) and runs the
+    kernels: the same bits as
+    :func:`decode_attention` with the same arguments, configuration and thread count.
+
+    Parameters
+    ----------
+    k, v : PagedKVCache, ContinuousBatchingKVCache, or ndarray [B, N, Hkv, D]
+        The keys and values of any layer of the step.  Every layer's must be of the same
+        kind, with storage of the same shape and dtype and, for caches, the same
+        ``cache_lengths`` and ``lookup_table`` (the same objects, or equal ones).
+    mask : Mask or ndarray, default NullMask()
+        As :func:`decode_attention` takes it, for every layer.  A ``[B, H, 1, N]`` additive
+        tensor's ``H`` is checked against each layer's queries.
+    num_partitions : int, optional
+        Key partitions per sequence, as :func:`decode_attention` takes it.
+    device : {"auto", "cpu", "cuda"}, default "auto"
+        Where the runs compute; ``"auto"`` decides per run from its arrays, as
+        :func:`decode_attention` does.
+    config : MHAConfig, optional
+        As :func:`decode_attention` takes it.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`decode_attention` raises them for the same arguments.
+
+    Notes
+    -----
+    A plan holds one step: once the tables change (the next token, a new page), make a new
+    one.  It does not notice tables changed in place after it was made: its runs then keep
+    computing the step it was made for (they never read outside the pages).  The split of
+    the work among threads is fixed when the plan is made, from the number of threads then.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import CausalMask, DecodePlan, PagedKVCache, decode_attention
+    >>> rng = np.random.default_rng(0)
+    >>> lengths, table = np.array([5, 11]), np.array([[0, 1], [2, 3]])
+    >>> def cache():
+    ...     return PagedKVCache(rng.standard_normal((4, 8, 2, 16), dtype=np.float32),
+    ...                         lengths, table)
+    >>> layers = [(cache(), cache()) for _ in range(3)]
+    >>> plan = DecodePlan(*layers[0], CausalMask())
+    >>> q = rng.standard_normal((2, 4, 16), dtype=np.float32)
+    >>> outs = [plan.run(q, k, v) for k, v in layers]
+    >>> all(np.array_equal(out, decode_attention(q, k, v, CausalMask()))
+    ...     for out, (k, v) in zip(outs, layers))
+    True
+    """
+
+    def __init__(self, k, v, mask=NO_MASK, *, num_partitions=None, device="auto",
+                 config=None):
+        config = resolve_config(config)
+        self._num_partitions = _check_num_partitions(
+            config.num_partitions if num_partitions is None else num_partitions
+        )
+        resolve_device(device, [])  # the name only: the arrays decide per run
+        self._device = device
+        if isinstance(k, KVCache):
+            batch, dtype = k.batch_size, k.dtype
+        else:
+            check_array("k", k, ndim=4)
+            batch, dtype = shape_of(k)[0], check_float_dtype("k", k)
+        program, tensor = compile_mask(mask)
+        step = attention_step(
+            k, v, program, tensor, q_offsets=np.arange(batch + 1, dtype=np.int64),
+            q_lens=np.ones(batch, dtype=np.int64), max_q_len=1, kv_offsets=None,
+            ragged=False, dtype=dtype, num_heads=None, config=config, rules=RULES,
+        )
+        self._kv = PlannedKV(k, v, step.layout)
+        self._step = step._replace(layout=self._kv.layout)
+        self._batch = batch
+        self._launch = self._run_cpu = None
+        if device != "cuda" and isinstance(step.layout.k_blocks, np.ndarray):
+            self._cpu_launch(step.layout)
+
+    def _cpu_launch(self, layout):
+        """The CPU's :class:`~numattn.kernels.cpu.split_k.DecodeLaunch` of this step, made
+        at the first need (with the CPU driver, kept to skip an import at every run)."""
+        if self._launch is None:
+            from .kernels.cpu.split_k import decode_launch, run_decode_cpu
+
+            step = self._step
+            self._run_cpu = run_decode_cpu
+            self._launch = decode_launch(layout, step.q_offsets, step.dtype, step.config,
+                                         self._num_partitions)
+        return self._launch
+
+    def _check_queries(self, q):
+        """Refuse queries that are not ``[B, H, D]`` of the plan's dtype and batch."""
+        check_array("q", q, ndim=3)
+        dtype = check_float_dtype("q", q)
+        if dtype != self._step.dtype:
+            raise TypeError(f"q must have the plan's dtype {self._step.dtype}, got {dtype}")
+        if shape_of(q)[0] != self._batch:
+            raise ValueError(f"q must have B = {self._batch} rows, one per sequence of the "
+                             f"plan, got shape {list(shape_of(q))}")
+        if shape_of(q)[2] < 1:
+            raise ValueError(f"q must have a head dimension D >= 1, got shape "
+                             f"{list(shape_of(q))}")
+
+    def run(self, q, k, v, *, scale=None, sink_weights=None, out=None, return_lse=False):
+        """Decode attention of one layer.
+
+        Parameters
+        ----------
+        q : ndarray, shape [B, H, D]
+            The layer's queries, of the plan's dtype.
+        k, v : caches or arrays
+            The layer's keys and values, as the plan's (see :class:`DecodePlan`).
+        scale, sink_weights, out, return_lse
+            As :func:`decode_attention` takes them.
+
+        Returns
+        -------
+        out : ndarray, shape [B, H, D]
+        lse : ndarray, shape [B, H]
+            Only with ``return_lse=True``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As :func:`decode_attention` raises them; ``ValueError`` also if ``k`` or ``v``
+            is not what the plan was made for.  Nothing is written then.
+        """
+        step = self._step
+        if not (type(q) is np.ndarray and q.ndim == 3 and q.dtype == step.dtype
+                and q.shape[0] == self._batch and q.shape[2] > 0):
+            self._check_queries(q)
+        if return_lse is not False and return_lse is not True and not isinstance(
+                return_lse, np.bool_):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        layout = self._kv.layout_of(k, v)
+        device = "cpu"
+        if self._device == "cuda" or not (
+                type(q) is np.ndarray and type(layout.k_blocks) is np.ndarray
+                and (out is None or type(out) is np.ndarray)
+                and (sink_weights is None or type(sink_weights) is np.ndarray)
+                and type(step.mask.additive) is np.ndarray):
+            device = resolve_device(self._device, [q, layout.k_blocks, layout.v_blocks, out,
+                                                   sink_weights, step.mask.additive])
+        problem = layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device)
+        if device == "cuda":
+            result, lse = _run(problem, self._num_partitions, None)
+        else:
+            launch = self._launch or self._cpu_launch(layout)
+            result, lse = self._run_cpu(problem, launch)
+        return (result, lse) if return_lse else result
+
+
+def _run(problem, num_partitions, launch):
+    """Run a checked problem on its device; on the CPU as ``launch`` says (``None``: as
+    :func:`~numattn.kernels.cpu.split_k.decode_launch` says for it).  Returns ``(out, lse)``."""
+    if problem.device == "cuda":
+        from .kernels.cuda.split_k import run_decode_cuda
+
+        return run_decode_cuda(problem, num_partitions)
+    from .kernels.cpu.split_k import decode_launch, run_decode_cpu
+
+    if launch is None:
+        launch = decode_launch(problem.layout, problem.q_offsets, problem.q.dtype,
+                               problem.config, num_partitions)
+    return run_decode_cpu(problem, launch)
 
 
 def _check_num_partitions(num_partitions):

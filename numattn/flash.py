@@ -1,9 +1,11 @@
 """``flash_attention_kv_cache``: blocked (flash) attention over KV caches.
 
-Checks the arguments, normalises every input form (padded BSHD or ragged queries; dense,
+Checks the arguments and normalises every input form (padded BSHD or ragged queries; dense,
 ragged, continuous-batching or paged K/V) to one ragged problem over the paged addressing
-of :func:`numattn.core.kv_cache.resolve_kv`, and runs the CPU kernel
-(:func:`numattn.kernels.cpu.flash.run_flash_cpu`).
+of :func:`numattn.core.kv_cache.resolve_kv` (:func:`numattn.core.problem.attention_problem`),
+and runs the CPU kernel (:func:`numattn.kernels.cpu.flash.run_flash_cpu`).
+:class:`FlashPlan` does the work that depends only on a step's row offsets, caches and mask
+once, for every layer of the step.
 """
 
 from __future__ import annotations
@@ -11,24 +13,33 @@ from __future__ import annotations
 import numpy as np
 
 from .core.config import resolve_config
-from .core.kv_cache import KVCache, resolve_kv
-from .core.masks import additive_4d, compile_mask
+from .core.kv_cache import KVCache, PlannedKV
+from .core.masks import compile_mask
+from .core.problem import (
+    OUT_MAY_BE_Q,
+    OperationRules,
+    attention_problem,
+    attention_step,
+    layer_problem,
+)
 from .core.validate import (
     check_array,
     check_float_dtype,
-    check_heads,
-    check_no_overlap,
-    check_out,
     check_row_offsets,
-    check_scale,
-    check_sink_weights,
+    dtype_of,
     host_int_array,
     row_counts,
-    same_elements,
     shape_of,
+    to_host,
 )
 
-__all__ = ["flash_attention_kv_cache"]
+__all__ = ["FlashPlan", "flash_attention_kv_cache"]
+
+#: Bottom-right aligned queries; plain K/V as rows with ragged queries, dense with padded
+#: ones; ``out`` may be q itself (a tile of queries is read before its outputs are written).
+RULES = OperationRules(queries_at_start=False, dense_kv_prefix=False,
+                       any_cache_when_empty=False, out_may_share=OUT_MAY_BE_Q,
+                       device_contiguous=False)
 
 
 def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=None,
@@ -102,97 +113,167 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     >>> out.shape, lse.shape
     ((1, 3, 2, 8), (1, 3, 2))
     """
-    config = resolve_config(config)
-    if not isinstance(q, np.ndarray):
+    _check_on_host(q, k, v, mask)
+    problem = attention_problem(
+        q, k, v, mask, scale, rules=RULES, q_offsets=q_input_row_offsets,
+        kv_offsets=kv_input_row_offsets,
+        sink_weights=None if sink_weights is None else to_host(sink_weights), out=out,
+        return_lse=return_lse, config=config, device="cpu",
+    )
+    from .kernels.cpu.flash import run_flash_cpu  # kernel modules load at the first call
+
+    result, lse = run_flash_cpu(problem)
+    return (result, lse) if return_lse else result
+
+
+def _check_on_host(q, k, v, mask):
+    """This operation runs on the CPU: its arrays must be NumPy arrays (sink weights are
+    read back to the host).  ``q`` and ``mask`` may be ``None``: not checked."""
+    if q is not None and not isinstance(q, np.ndarray):
         check_array("q", q)
         raise TypeError(
             f"q must be a NumPy array (flash_attention_kv_cache runs on the CPU), got "
             f"{type(q).__name__}"
         )
-    dtype = check_float_dtype("q", q)
     for name, x in (("k", k), ("v", v)):
         data = x.blocks if isinstance(x, KVCache) else x
         if hasattr(data, "__cuda_array_interface__") and not isinstance(data, np.ndarray):
             raise TypeError(f"{name} must be held in NumPy arrays (this operation runs on the "
                             "CPU), got a device array")
-    if q_input_row_offsets is None:
-        check_array("q", q, ndim=4)
-        if kv_input_row_offsets is not None:
-            raise ValueError("kv_input_row_offsets needs ragged queries: pass "
-                             "q_input_row_offsets with q of shape [T, H, D]")
-        batch, s_len, num_heads, head_dim = shape_of(q)
-        if not isinstance(k, KVCache):
-            check_array("k", k)
-            check_array("v", v)
-            if len(shape_of(k)) != 4:
-                raise ValueError(f"with padded q, k and v must be [B, N, Hkv, D] arrays or "
-                                 f"caches, got k of shape {list(shape_of(k))}")
-        q_offsets = np.arange(batch + 1, dtype=np.int64) * s_len
-        q_lens = np.full(batch, s_len, dtype=np.int64)
-        layout = resolve_kv(k, v, batch=batch, dtype=dtype, kv_lens=q_lens)
-    else:
-        check_array("q", q, ndim=3)
-        total, num_heads, head_dim = shape_of(q)
-        q_offsets = check_row_offsets("q_input_row_offsets", q_input_row_offsets, total,
-                                      "q.shape[0]")
-        batch = q_offsets.shape[0] - 1
-        q_lens = row_counts(q_offsets)
-        if isinstance(k, KVCache):
-            if kv_input_row_offsets is None:
-                kv_lens = q_lens
-            else:
-                kv_offsets = host_int_array("kv_input_row_offsets", kv_input_row_offsets)
-                last = int(kv_offsets[-1]) if kv_offsets.size else 0
-                kv_offsets = check_row_offsets("kv_input_row_offsets", kv_offsets, last,
-                                               "its own last entry", batch=batch)
-                kv_lens = row_counts(kv_offsets)
-            layout = resolve_kv(k, v, batch=batch, dtype=dtype, kv_lens=kv_lens)
-        else:
-            check_array("k", k, ndim=(3, 4))
-            if len(shape_of(k)) != 3:
-                raise ValueError(f"with ragged q, k and v must be [T_kv, Hkv, D] arrays or "
-                                 f"caches, got k of shape {list(shape_of(k))}")
-            kv_offsets = q_offsets if kv_input_row_offsets is None else kv_input_row_offsets
-            layout = resolve_kv(k, v, batch=batch, dtype=dtype, kv_offsets=kv_offsets)
-        s_len = int(q_lens.max()) if batch else 0
-    if head_dim < 1:
-        raise ValueError(f"q must have a head dimension D >= 1, got shape {list(shape_of(q))}")
-    if layout.head_dim != head_dim:
-        raise ValueError(f"k and v must have head dim D = {head_dim} (q's), got "
-                         f"{layout.head_dim}")
-    check_heads(num_heads, layout.num_kv_heads)
-    scale = check_scale(scale, head_dim, dtype)
-    sinks = check_sink_weights(sink_weights, num_heads, dtype)
-    program, additive = compile_mask(mask)
+    additive = None if mask is None else compile_mask(mask)[1]
     if additive is not None and not isinstance(additive, np.ndarray):
         raise TypeError(f"the additive mask must be a NumPy array, got {type(additive).__name__}")
-    max_keys = layout.max_keys
-    additive4 = additive_4d(additive, batch=batch, num_heads=num_heads, max_q_len=s_len,
-                            max_keys=max_keys, dtype=dtype,
-                            exact_rows=q_input_row_offsets is None)
-    check_out(out, shape_of(q), dtype)
-    if out is not None and not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
-    # out may be q itself (each tile of queries is read before its outputs are written),
-    # not a view that overlaps q elsewhere (a tile's outputs would land on queries not read)
-    inputs = {"k": layout.k_blocks, "v": layout.v_blocks, "mask": additive4,
-              "sink_weights": sinks}
-    if not same_elements(out, q):
-        inputs["q (other than as q itself)"] = q
-    check_no_overlap(out, inputs)
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
 
-    result = np.empty(q.shape, dtype=dtype) if out is None else out
-    lse = np.empty(q.shape[:-1], dtype=dtype) if return_lse else None
-    rows = q.shape[0] * q.shape[1] if q.ndim == 4 else q.shape[0]
-    q_rows = np.ascontiguousarray(q).reshape(rows, num_heads, head_dim)
-    q_start_pos = layout.num_keys - q_lens
-    from .kernels.cpu.flash import run_flash_cpu  # kernel modules load at the first call
 
-    run_flash_cpu(
-        q_rows, q_offsets, q_start_pos, layout, program, additive4, additive is not None,
-        scale, sinks, config, result.reshape(rows, num_heads, head_dim),
-        None if lse is None else lse.reshape(rows, num_heads),
-    )
-    return (result, lse) if return_lse else result
+class FlashPlan:
+    """Flash attention over one step's ragged queries and caches, planned once and run for
+    every layer.
+
+    The layers of a model attend with the same row offsets over caches that share one
+    step's ``cache_lengths`` and ``lookup_table``.  A plan does once what depends only on
+    those, on the mask and on the configuration (as FlashInfer's ``plan()`` does): it checks
+    the offsets, the tables and the mask, and deals the work items to the threads.
+    :meth:`run` then checks only what a layer brings
+    (queries, the K/V storage, scale, sinks, ``out``) and runs the kernel: the same bits as
+    :func:`flash_attention_kv_cache` with the same arguments, configuration and thread
+    count.
+
+    Parameters
+    ----------
+    k, v : PagedKVCache, ContinuousBatchingKVCache, or ndarray [T_kv, Hkv, D]
+        The keys and values of any layer of the step (caches that hold this step's rows
+        already, or the step's ragged rows).  Every layer's must be of the same kind, with
+        storage of the same shape and dtype and, for caches, the same ``cache_lengths`` and
+        ``lookup_table`` (the same objects, or equal ones).
+    mask : Mask, ndarray or None
+        As :func:`flash_attention_kv_cache` takes it, for every layer.
+    q_input_row_offsets : int array [B + 1]
+        Rows of each sequence in the ragged queries ``[T, H, D]`` of every layer.
+    kv_input_row_offsets : int array [B + 1], optional
+        New K/V rows per sequence, as :func:`flash_attention_kv_cache` takes them.
+    config : MHAConfig, optional
+        As :func:`flash_attention_kv_cache` takes it.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`flash_attention_kv_cache` raises them for the same arguments.
+
+    Notes
+    -----
+    A plan holds one step: once the offsets or tables change, make a new one.  It does not
+    notice tables changed in place after it was made: its runs then keep computing the step
+    it was made for (they never read outside the pages).  The split of the work among
+    threads is fixed when the plan is made, from the number of threads then.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import CausalMask, FlashPlan, PagedKVCache, flash_attention_kv_cache
+    >>> rng = np.random.default_rng(0)
+    >>> offsets = np.array([0, 3, 5])  # 3 and 2 new tokens after 4 and 9 cached ones
+    >>> lengths, table = np.array([4, 9]), np.array([[0, 1], [2, 3]])
+    >>> def cache():
+    ...     return PagedKVCache(rng.standard_normal((4, 8, 2, 16), dtype=np.float32),
+    ...                         lengths, table)
+    >>> layers = [(cache(), cache()) for _ in range(3)]
+    >>> plan = FlashPlan(*layers[0], CausalMask(), q_input_row_offsets=offsets)
+    >>> q = rng.standard_normal((5, 4, 16), dtype=np.float32)
+    >>> outs = [plan.run(q, k, v) for k, v in layers]
+    >>> all(np.array_equal(out, flash_attention_kv_cache(q, k, v, CausalMask(),
+    ...                                                  q_input_row_offsets=offsets))
+    ...     for out, (k, v) in zip(outs, layers))
+    True
+    """
+
+    def __init__(self, k, v, mask, *, q_input_row_offsets, kv_input_row_offsets=None,
+                 config=None):
+        config = resolve_config(config)
+        _check_on_host(None, k, v, mask)
+        if isinstance(k, KVCache):
+            dtype = k.dtype
+        else:
+            check_array("k", k)
+            dtype = check_float_dtype("k", k)
+        offsets = host_int_array("q_input_row_offsets", q_input_row_offsets)
+        self._total = int(offsets[-1]) if offsets.shape[0] else 0
+        q_offsets = check_row_offsets("q_input_row_offsets", offsets, self._total,
+                                      "its last entry")
+        q_lens = row_counts(q_offsets)
+        program, tensor = compile_mask(mask)
+        step = attention_step(
+            k, v, program, tensor, q_offsets=q_offsets, q_lens=q_lens,
+            max_q_len=int(q_lens.max(initial=0)), kv_offsets=kv_input_row_offsets,
+            ragged=True, dtype=dtype, num_heads=None, config=config, rules=RULES,
+        )
+        self._kv = PlannedKV(k, v, step.layout)
+        self._step = step._replace(layout=self._kv.layout)
+        from .kernels.cpu.flash import run_flash_cpu, work_items
+
+        self._run_cpu = run_flash_cpu  # kept: no import at every run
+        self._items = work_items(self._step)
+
+    def run(self, q, k, v, *, scale=None, sink_weights=None, out=None, return_lse=False):
+        """Flash attention of one layer.
+
+        Parameters
+        ----------
+        q : ndarray, shape [T, H, D]
+            The layer's ragged queries, of the plan's dtype, split by the plan's
+            ``q_input_row_offsets``.
+        k, v : caches or arrays
+            The layer's keys and values, as the plan's (see :class:`FlashPlan`).
+        scale, sink_weights, out, return_lse
+            As :func:`flash_attention_kv_cache` takes them.
+
+        Returns
+        -------
+        out : ndarray, shape [T, H, D]
+        lse : ndarray, shape [T, H]
+            Only with ``return_lse=True``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As :func:`flash_attention_kv_cache` raises them; ``ValueError`` also if ``k``
+            or ``v`` is not what the plan was made for.  Nothing is written then.
+        """
+        step = self._step
+        _check_on_host(q, k, v, None)
+        check_array("q", q, ndim=3)
+        if dtype_of(q) != step.dtype:
+            raise TypeError(f"q must have the plan's dtype {step.dtype}, got {dtype_of(q)}")
+        if shape_of(q)[0] != self._total:
+            raise ValueError(f"q must have T = {self._total} rows, as the plan's "
+                             f"q_input_row_offsets, got shape {list(shape_of(q))}")
+        if shape_of(q)[2] < 1:
+            raise ValueError(f"q must have a head dimension D >= 1, got shape "
+                             f"{list(shape_of(q))}")
+        if not isinstance(return_lse, (bool, np.bool_)):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        layout = self._kv.layout_of(k, v)
+        problem = layer_problem(step, q, layout, scale,
+                                None if sink_weights is None else to_host(sink_weights), out,
+                                return_lse, "cpu")
+        result, lse = self._run_cpu(problem, self._items)
+        return (result, lse) if return_lse else result

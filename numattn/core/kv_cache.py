@@ -22,6 +22,7 @@ before a kernel runs; spare entries may hold any sentinel.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -39,7 +40,15 @@ from .validate import (
     shape_of,
 )
 
-__all__ = ["ContinuousBatchingKVCache", "KVCache", "KVLayout", "PagedKVCache", "resolve_kv"]
+__all__ = [
+    "ContinuousBatchingKVCache",
+    "KVCache",
+    "KVLayout",
+    "PagedKVCache",
+    "PlannedKV",
+    "kv_storage",
+    "resolve_kv",
+]
 
 
 class _CacheBase:
@@ -191,20 +200,30 @@ KVCache = (ContinuousBatchingKVCache, PagedKVCache)
 
 
 class KVLayout(NamedTuple):
-    """K and V of one call, normalised to the paged addressing every kernel uses."""
+    """K and V of one call, normalised to the paged addressing every kernel uses.
+
+    The first six fields, in this order, are what the kernels take: ``layout[:6]`` is a
+    plain tuple of :class:`numattn.core.problem.PagedKV`'s fields (Numba types a plain
+    tuple in C, a NamedTuple in Python: ~1.3 us a call).
+    """
 
     k_blocks: object  # [pages, page_size, Hkv, D], host or device array
     v_blocks: object
     page_size: int
     lookup_table: np.ndarray  # int64 [B, max_pages]
     row_base: np.ndarray  # int64 [B]
-    cache_lengths: np.ndarray  # int64 [B]: tokens before this step (0 for plain arrays)
     num_keys: np.ndarray  # int64 [B]: keys each sequence attends over
+    cache_lengths: np.ndarray  # int64 [B]: tokens before this step (0 for plain arrays)
     num_kv_heads: int
     head_dim: int
     max_keys: int  # num_keys.max() (0 for no sequence)
     total_keys: int  # num_keys.sum()
     page_step: int  # lookup_table holds the caller's page p as p * page_step (_page_view)
+
+    def with_storage(self, k_blocks, v_blocks):
+        """The same addressing over another layer's pages (of the same shape and page step,
+        as :func:`kv_storage` gives them)."""
+        return KVLayout(k_blocks, v_blocks, *self[2:])
 
 
 def _contiguous(x):
@@ -285,18 +304,17 @@ def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
     for name, x in (("k", k), ("v", v)):
         if dtype_of(x) != dtype:
             raise TypeError(f"{name} must have the queries' dtype {dtype}, got {dtype_of(x)}")
+    k_pages, v_pages, step = kv_storage(k, v)
     if len(k.shape) == 4:
         b, n, hkv, d = shape_of(k)
         if b != batch:
             raise ValueError(f"k must have shape [B={batch}, N, Hkv, D], got {list(shape_of(k))}")
-        k, v, step = _paged_views(k, v)
         table = (np.arange(batch, dtype=np.int64) * step).reshape(batch, 1)
         return KVLayout(
-            k, v, max(n, 1), table, np.zeros(batch, np.int64), np.zeros(batch, np.int64),
-            np.full(batch, n, np.int64), hkv, d, n if batch else 0, batch * n, step,
+            k_pages, v_pages, max(n, 1), table, np.zeros(batch, np.int64),
+            np.full(batch, n, np.int64), np.zeros(batch, np.int64), hkv, d, n if batch else 0,
+            batch * n, step,
         )
-    k = _contiguous(k)
-    v = _contiguous(v)
     t, hkv, d = shape_of(k)
     if kv_offsets is None:
         raise ValueError("ragged k and v of shape [T, Hkv, D] need row offsets")
@@ -305,10 +323,28 @@ def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
     table = np.zeros((batch, 1), dtype=np.int64)
     num_keys = row_counts(kv_offsets)
     return KVLayout(
-        k.reshape(1, t, hkv, d), v.reshape(1, t, hkv, d), max(t, 1), table,
-        kv_offsets[:-1].copy(), np.zeros(batch, np.int64), num_keys, hkv, d,
-        int(num_keys.max(initial=0)), int(kv_offsets[-1] - kv_offsets[0]), 1,
+        k_pages, v_pages, max(t, 1), table, kv_offsets[:-1].copy(), num_keys,
+        np.zeros(batch, np.int64), hkv, d, int(num_keys.max(initial=0)),
+        int(kv_offsets[-1] - kv_offsets[0]), 1,
     )
+
+
+def kv_storage(k, v):
+    """``(k_pages, v_pages, page_step)``: the 4-d pages the kernels read for K and V of any
+    kind (a cache's blocks, a dense ``[B, N, Hkv, D]`` array, or ragged ``[T, Hkv, D]`` rows as
+    one page of ``T`` slots), sharing their memory where it can (:func:`_paged_views`).
+
+    :func:`resolve_kv` takes its pages from here, and so does a plan for each layer's K/V.
+    Shapes and dtypes are not checked here.
+    """
+    k_blocks, v_blocks = (k.blocks, v.blocks) if isinstance(k, KVCache) else (k, v)
+    if (type(k_blocks) is np.ndarray and type(v_blocks) is np.ndarray and k_blocks.ndim == 4
+            and k_blocks.flags.c_contiguous and v_blocks.flags.c_contiguous):
+        return k_blocks, v_blocks, 1  # the common case, in a few operations
+    if isinstance(k, KVCache) or len(k.shape) == 4:
+        return _paged_views(k_blocks, v_blocks)
+    t, hkv, d = shape_of(k)
+    return _contiguous(k).reshape(1, t, hkv, d), _contiguous(v).reshape(1, t, hkv, d), 1
 
 
 def resolve_cache(k, v, *, batch, dtype, kv_lens):
@@ -340,12 +376,14 @@ def resolve_cache(k, v, *, batch, dtype, kv_lens):
         capacity = min(table.shape[1] * page_size, INT64_MAX)
     # The constructor checked cache_lengths, but callers update it in place between steps.
     kv_lens = np.zeros(batch, np.int64) if kv_lens is None else kv_lens
-    k_pages, v_pages, step = _paged_views(k.blocks, v.blocks)
+    k_pages, v_pages, step = kv_storage(k, v)
     if table.shape[0] != batch:  # fixed at construction; checked again before reading it
         raise ValueError(f"{cls}.lookup_table has {table.shape[0]} rows for {batch} sequences")
-    error, b, j, num_keys, max_keys, total_keys, kernel_table = cpu_jit(_check_cache_tables)(
-        lengths, kv_lens, table if table.ndim == 2 else table.reshape(batch, 1), capacity, pages,
-        page_size, step,
+    table_2d = table if table.ndim == 2 else table.reshape(batch, 1)
+    num_keys = np.empty(batch, dtype=np.int64)
+    kernel_table = np.zeros(table_2d.shape, dtype=np.int64)
+    error, b, j, max_keys, total_keys = cpu_jit(_check_cache_tables)(
+        lengths, kv_lens, table_2d, capacity, pages, page_size, step, num_keys, kernel_table,
     )
     if error == _NEGATIVE_LENGTH:
         raise ValueError(f"{cls}.cache_lengths[{b}] must be >= 0, got {lengths[b]}")
@@ -370,39 +408,45 @@ def resolve_cache(k, v, *, batch, dtype, kv_lens):
             f"sequence {b} uses that page"
         )
     return KVLayout(
-        k_pages, v_pages, max(page_size, 1), kernel_table, np.zeros(batch, np.int64), lengths,
-        num_keys, hkv, d, max_keys, total_keys, step,
+        k_pages, v_pages, max(page_size, 1), kernel_table, _zeros(batch), num_keys,
+        lengths, hkv, d, max_keys, total_keys, step,
     )
 
 
 _NEGATIVE_LENGTH, _OVER_CAPACITY, _BAD_PAGE = 1, 2, 3
 
 
-def _check_cache_tables(lengths, kv_lens, table, capacity, num_pages, page_size, step):
+@functools.lru_cache(maxsize=64)
+def _zeros(batch):
+    """A cache's ``row_base``: zeros, shared by the calls (nothing writes to it)."""
+    return np.zeros(batch, dtype=np.int64)
+
+
+def _check_cache_tables(lengths, kv_lens, table, capacity, num_pages, page_size, step,
+                        num_keys, kernel_table):
     """Check a cache's lengths and table in one compiled pass (NumPy steps on these small
     arrays cost ~1 us each, a dozen of them per call); nothing here raises.
 
     ``table`` is ``[B, P]`` (continuous batching: ``P = 1``, a sequence's page is its slot).
-    Returns ``(error, b, j, num_keys, max_keys, total_keys, kernel_table)``: ``error`` 0, or
-    ``_NEGATIVE_LENGTH`` / ``_OVER_CAPACITY`` for sequence ``b`` (``cache_lengths[b] +
-    kv_lens[b]`` past ``capacity``, compared with the room left so that lengths near the
-    int64 limit cannot wrap), or ``_BAD_PAGE`` for entry ``(b, j)`` of a page the sequence
-    uses that is outside ``[0, num_pages)``.  ``num_keys = cache_lengths + kv_lens``, its
-    largest entry and its sum (0 for no sequence); ``kernel_table [B, P]`` is the table
-    times ``step`` (see :func:`_page_view`) with 0 in the entries no token uses, which may
-    hold any sentinel.
+    Returns ``(error, b, j, max_keys, total_keys)``: ``error`` 0, or ``_NEGATIVE_LENGTH`` /
+    ``_OVER_CAPACITY`` for sequence ``b`` (``cache_lengths[b] + kv_lens[b]`` past
+    ``capacity``, compared with the room left so that lengths near the int64 limit cannot
+    wrap), or ``_BAD_PAGE`` for entry ``(b, j)`` of a page the sequence uses that is outside
+    ``[0, num_pages)``.  Fills ``num_keys [B] = cache_lengths + kv_lens`` (returning its
+    largest entry and its sum, 0 for no sequence) and ``kernel_table [B, P]`` (zeros on
+    entry): the table times ``step`` (see :func:`_page_view`), 0 in the entries no token
+    uses, which may hold any sentinel.  The caller allocates them, as Numba hands each
+    array it returns to Python at a cost.
     """
     batch, pages_per_row = table.shape
-    num_keys = np.empty(batch, dtype=np.int64)
-    kernel_table = np.zeros((batch, pages_per_row), dtype=np.int64)
     max_keys = 0
     total_keys = 0
     for b in range(batch):
         length = lengths[b]
         if length < 0:
-            return _NEGATIVE_LENGTH, b, 0, num_keys, 0, 0, kernel_table
+            return _NEGATIVE_LENGTH, b, 0, 0, 0
         if length > capacity or kv_lens[b] > capacity - length:
-            return _OVER_CAPACITY, b, 0, num_keys, 0, 0, kernel_table
+            return _OVER_CAPACITY, b, 0, 0, 0
         num_keys[b] = length + kv_lens[b]
         max_keys = max(max_keys, num_keys[b])
         total_keys += num_keys[b]
@@ -414,6 +458,93 @@ def _check_cache_tables(lengths, kv_lens, table, capacity, num_pages, page_size,
         for j in range(used_pages):
             page = table[b, j]
             if page < 0 or page >= num_pages:
-                return _BAD_PAGE, b, j, num_keys, 0, 0, kernel_table
+                return _BAD_PAGE, b, j, 0, 0
             kernel_table[b, j] = page * step
-    return 0, 0, 0, num_keys, max_keys, total_keys, kernel_table
+    return 0, 0, 0, max_keys, total_keys
+
+
+class PlannedKV:
+    """What a plan checks of each layer's K and V against those it was made from: the kind
+    of input, the shape and dtype of the storage, and, for caches, the ``cache_lengths``
+    and ``lookup_table`` (the same objects, or equal ones).
+
+    Parameters
+    ----------
+    k, v : caches or arrays
+        The K and V the plan was made from (checked already).
+    layout : KVLayout
+        Their layout (:func:`resolve_kv`); the plan keeps it without the pages.
+    """
+
+    def __init__(self, k, v, layout):
+        self.kind = type(k)
+        self.is_cache = isinstance(k, KVCache)
+        storage = k.blocks if self.is_cache else k
+        self.shape = tuple(shape_of(storage))
+        self.dtype = dtype_of(storage)
+        self.layout = layout.with_storage(None, None)
+        # whether contiguous storage is read as it is (not ragged rows, nor pages of a pool)
+        self.pages_as_given = len(self.shape) == 4 and layout.page_step == 1
+        self.lengths = self.table = None
+        if self.is_cache:
+            cls = type(k).__name__
+            self.lengths, self.table = k.cache_lengths, k.lookup_table  # the planned objects
+            self.values = {  # host copies of their values
+                name: host_int_array(f"{cls}.{name}", getattr(k, name), ndim=ndim).copy()
+                for name, ndim in (("cache_lengths", 1), ("lookup_table", k._table_ndim))
+            }
+
+    def layout_of(self, k, v):
+        """The planned layout over ``k`` and ``v``'s pages (:func:`kv_storage`).
+
+        Raises
+        ------
+        ValueError
+            If ``k`` or ``v`` is not of the planned kind, shape and dtype, or holds other
+            cache tables than the plan's, or pages of another stride.
+        """
+        kind = self.kind
+        if type(k) is kind and type(v) is kind:
+            if self.is_cache:
+                k_blocks, v_blocks = k.blocks, v.blocks
+                same_tables = (k.cache_lengths is self.lengths and v.cache_lengths is self.lengths
+                               and k.lookup_table is self.table and v.lookup_table is self.table)
+            else:
+                k_blocks, v_blocks, same_tables = k, v, True
+            # the common case, in a few operations: the planned tables, contiguous host pages
+            if (same_tables and self.pages_as_given and type(k_blocks) is np.ndarray
+                    and type(v_blocks) is np.ndarray and k_blocks.shape == self.shape
+                    and v_blocks.shape == self.shape and k_blocks.dtype == self.dtype
+                    and v_blocks.dtype == self.dtype and k_blocks.flags.c_contiguous
+                    and v_blocks.flags.c_contiguous):
+                return self.layout.with_storage(k_blocks, v_blocks)
+        for name, x in (("k", k), ("v", v)):
+            self._check(name, x)
+        k_pages, v_pages, step = kv_storage(k, v)
+        if step != self.layout.page_step:
+            raise ValueError("k and v pages are laid out with another page stride than the "
+                             "plan's: make a plan for this layout")
+        return self.layout.with_storage(k_pages, v_pages)
+
+    def _check(self, name, x):
+        """Refuse a K or V that is not what the plan was made for."""
+        if type(x) is not self.kind:
+            raise ValueError(f"{name} must be a {self.kind.__name__} as the plan's K/V "
+                             f"were, got {type(x).__name__}")
+        storage = x.blocks if self.is_cache else x
+        dtype = dtype_of(storage)
+        if tuple(shape_of(storage)) != self.shape or dtype != self.dtype:
+            what = f"{name}.blocks" if self.is_cache else name
+            raise ValueError(
+                f"{what} must have the plan's shape {list(self.shape)} and dtype "
+                f"{self.dtype}, got {list(shape_of(storage))} and {dtype}")
+        if self.is_cache:
+            for attribute, planned in (("cache_lengths", self.lengths),
+                                       ("lookup_table", self.table)):
+                given = getattr(x, attribute)
+                values = self.values[attribute]
+                if given is not planned and not np.array_equal(
+                        host_int_array(f"{name}.{attribute}", given, ndim=values.ndim), values):
+                    raise ValueError(
+                        f"{name}.{attribute} differs from the plan's (a plan holds one "
+                        f"step's cache tables: make a new plan for new ones)")

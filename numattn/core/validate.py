@@ -15,6 +15,7 @@ import numpy as np
 from .device import is_device_array
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+INT64 = np.dtype(np.int64)
 INT64_MAX = int(np.iinfo(np.int64).max)
 
 
@@ -27,6 +28,8 @@ def shape_of(x):
 
 def dtype_of(x):
     """NumPy dtype of a host or device array (anything with a NumPy-like ``dtype``)."""
+    if type(x) is np.ndarray:
+        return x.dtype
     try:
         return np.dtype(x.dtype)
     except TypeError as exc:
@@ -38,6 +41,8 @@ def dtype_of(x):
 
 def check_array(name, x, *, ndim=None, dtype=None):
     """Check that ``x`` is an array (host or device) of the given ndim (int or tuple)."""
+    if type(x) is np.ndarray and dtype is None and (ndim is None or x.ndim == ndim):
+        return x  # the common case, in a few operations (every call checks several)
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     if not isinstance(x, np.ndarray) and not is_device_array(x):
@@ -55,7 +60,7 @@ def check_array(name, x, *, ndim=None, dtype=None):
 
 
 def check_float_dtype(name, x):
-    dt = dtype_of(x)
+    dt = x.dtype if type(x) is np.ndarray else dtype_of(x)
     if dt not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32 or float64, got {dt}")
     return dt
@@ -88,6 +93,9 @@ def to_host(x):
 
 def host_int_array(name, x, *, ndim=1):
     """A host int64 copy of an integer index array (host or device)."""
+    if (type(x) is np.ndarray and x.dtype == INT64 and x.ndim == ndim
+            and x.flags.c_contiguous):
+        return x  # already one (as np.ascontiguousarray below would return it)
     x = to_host(x)
     if not isinstance(x, np.ndarray):
         if isinstance(x, (list, tuple)):
@@ -246,6 +254,10 @@ def check_out(out, shape, dtype, name="out"):
     """``out=`` must be a C-contiguous array of exactly the result's shape and dtype."""
     if out is None:
         return None
+    if type(out) is np.ndarray and out.shape == tuple(shape) and out.dtype == dtype:
+        flags = out.flags
+        if flags.c_contiguous and flags.writeable:
+            return out  # the common case, in a few operations
     check_array(name, out)
     if shape_of(out) != tuple(shape):
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(shape_of(out))}")

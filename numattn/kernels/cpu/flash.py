@@ -103,10 +103,11 @@ def _work_items(q_offsets, q_start_pos, num_keys, num_kv_heads, program, block_q
     entirely), and the items, most expensive first, are dealt to the threads in a zigzag
     (0, 1, .., T-1, T-1, .., 0, 0, ..), which balances them.  Thread ``t`` runs items
     ``starts[t]:starts[t + 1]``.  The split only decides which thread computes an item, never
-    how, so results do not depend on the number of threads.  Returns ``item_seq, item_head,
-    item_row0, item_width, starts`` and the total cost (query rows x keys, summed over the
-    KV heads).  Compiled: a few microseconds a call (the same steps as NumPy array
-    operations cost ~40 us on small problems).
+    how, so results do not depend on the number of threads.  Returns ``items [4, n]`` (rows:
+    each item's sequence, KV head, first row and width), ``starts`` and the total cost
+    (query rows x keys, summed over the KV heads): two arrays, as Numba hands each array it
+    returns to Python at a cost.  Compiled: a few microseconds a call (the same steps as
+    NumPy array operations cost ~40 us on small problems).
     """
     batch = q_offsets.shape[0] - 1
     tiles = np.empty(batch, dtype=np.int64)
@@ -140,84 +141,82 @@ def _work_items(q_offsets, q_start_pos, num_keys, num_kv_heads, program, block_q
         item_cost[i] = cost[i // num_kv_heads]
         total_cost += item_cost[i]
     order, starts = zigzag_schedule(item_cost, num_threads)
-    item_seq = np.empty(num_items, dtype=np.int64)
-    item_head = np.empty(num_items, dtype=np.int64)
-    item_row0 = np.empty(num_items, dtype=np.int64)
-    item_width = np.empty(num_items, dtype=np.int64)
+    items = np.empty((4, num_items), dtype=np.int64)
     for slot in range(num_items):
         item = order[slot]
         tile = item // num_kv_heads
-        item_seq[slot] = seq[tile]
-        item_head[slot] = item % num_kv_heads
-        item_row0[slot] = row0[tile]
-        item_width[slot] = width[tile]
-    return item_seq, item_head, item_row0, item_width, starts, total_cost
+        items[0, slot] = seq[tile]
+        items[1, slot] = item % num_kv_heads
+        items[2, slot] = row0[tile]
+        items[3, slot] = width[tile]
+    return items, starts, total_cost
 
 
-def run_flash_cpu(q, q_offsets, q_start_pos, layout, program, additive, has_additive,
-                  scale, sink_weights, config, out, lse):
-    """Run the CPU flash kernel on a normalised ragged problem (no validation here).
+def work_items(step):
+    """The flash kernel's work items of a step (an :class:`~numattn.core.problem.AttentionStep`
+    or :class:`~numattn.core.problem.AttentionProblem`: the same for every layer of a step,
+    dealt to the threads there are now): :func:`_work_items`' ``(items, starts,
+    total_cost)``."""
+    import numba
+
+    config = step.config
+    return cpu_jit(_work_items)(
+        step.q_offsets, step.q_start_pos, step.layout.num_keys, step.layout.num_kv_heads,
+        step.mask.program, config.block_q, config.block_k, numba.get_num_threads(),
+    )
+
+
+def run_flash_cpu(problem, items=None):
+    """Run the CPU flash kernel on a normalised problem (no validation here).
 
     Parameters
     ----------
-    q : ndarray [T, H, D], C-contiguous float32 or float64
-    q_offsets : int64 [B + 1]
-        Rows of each sequence in ``q``.
-    q_start_pos : int64 [B]
-        Position ``q_idx`` of each sequence's first query row.
-    layout : KVLayout
-        From :func:`numattn.core.kv_cache.resolve_kv`.
-    program, additive, has_additive
-        From :func:`numattn.core.masks.compile_mask` and :func:`numattn.core.masks.additive_4d`.
-    scale : float
-    sink_weights : ndarray [H] of q's dtype, or None
-    config : MHAConfig
-    out : ndarray [T, H, D]
-        Written in place.
-    lse : ndarray [T, H] or None
-        Written in place when given.
-    """
-    total, num_heads, _ = q.shape
-    if total == 0 or num_heads == 0:
-        return
-    dtype = q.dtype
-    group = num_heads // layout.num_kv_heads
-    import numba
+    problem : AttentionProblem
+        From :func:`numattn.core.problem.attention_problem` (host arrays).
+    items : tuple, optional
+        The step's :func:`work_items` (a plan's); made here when not given.
 
+    Returns
+    -------
+    out, lse
+        The result (``problem.out`` when given) and, with ``problem.return_lse``, the LSE
+        (else ``None``).
+    """
+    queries, layout, mask, softmax, config, out, out_shape, return_lse, _ = problem
+    q, q_offsets = queries[0], queries[1]
+    dtype = q.dtype
+    total, num_heads, head_dim = q.shape
+    result = out if out is not None else np.empty(out_shape, dtype)
+    lse = np.empty(out_shape[:-1], dtype) if return_lse else None
+    if total == 0 or num_heads == 0:
+        return result, lse
+    out_rows = result.reshape(total, num_heads, head_dim)
+    lse_rows = np.empty((1, 1), dtype) if lse is None else lse.reshape(total, num_heads)
+    group = num_heads // layout.num_kv_heads
     q_lens = row_counts(q_offsets)
     max_q_len = int(q_lens.max())
     # multiply-adds of the Q K^T and P V products (before the mask)
-    work = 2 * int(np.dot(q_lens, layout.num_keys)) * num_heads * q.shape[2]
+    work = 2 * int(np.dot(q_lens, layout.num_keys)) * num_heads * head_dim
     batch = q_offsets.shape[0] - 1
     if (max_q_len <= MULTI_QUERY_MAX_LEN and work > MULTI_QUERY_MIN_WORK
             and total >= MULTI_QUERY_MIN_ACTIVE * batch * max_q_len
             and layout.max_keys >= MULTI_QUERY_MIN_KEYS_PER_ROW * max_q_len):
-        run_multi_query_cpu(
-            q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
-            bool(has_additive), scale, sink_weights, config, out, lse,
-            work > SERIAL_MULTIPLY_ADDS,
-        )
-        return
-
-    item_seq, item_head, item_row0, item_width, starts, total_cost = cpu_jit(_work_items)(
-        q_offsets, q_start_pos, layout.num_keys, layout.num_kv_heads, program, config.block_q,
-        config.block_k, numba.get_num_threads(),
-    )
-    has_sink = sink_weights is not None
-    sinks = sink_weights if has_sink else np.zeros(1, dtype=dtype)
-    want_lse = lse is not None
-    lse_buf = lse if want_lse else np.empty((1, 1), dtype=dtype)
+        run_multi_query_cpu(queries, layout, mask, max_q_len, softmax, config, out_rows,
+                            None if lse is None else lse_rows, work > SERIAL_MULTIPLY_ADDS)
+        return result, lse
+    if items is None:
+        items = work_items(problem)
+    schedule, total_cost = items[:2], items[2]
     # multiply-adds of the Q K^T and P V products
-    parallel = 2 * total_cost * group * q.shape[2] > SERIAL_MULTIPLY_ADDS
-    kernel = cpu_jit(_flash_kernel, parallel=parallel)
+    parallel = 2 * total_cost * group * head_dim > SERIAL_MULTIPLY_ADDS
+    tiling = (group, config.block_q, config.block_k, _SUB_Q)
+    # the parts go as plain tuples: Numba types those in C at each call, NamedTuples in Python
     with _blas_single_thread() if parallel else contextlib.nullcontext():
-        kernel(
-            q, q_offsets, q_start_pos, item_seq, item_head, item_row0, item_width, starts,
-            layout.k_blocks, layout.v_blocks, layout.page_size, layout.lookup_table,
-            layout.row_base, layout.num_keys, program, additive, bool(has_additive),
-            dtype.type(scale), sinks, has_sink, group, config.block_q, config.block_k,
-            _SUB_Q, out, lse_buf, want_lse,
+        cpu_jit(_flash_kernel, parallel=parallel)(
+            tuple(queries), schedule, layout[:6], tuple(mask), tuple(softmax), tiling,
+            (out_rows, lse_rows, lse is not None),
         )
+    return result, lse
 
 
 # --------------------------------------------------------------------------------------
@@ -263,16 +262,17 @@ def _row_visibility(program, q_idx, k0, kw, visible):
 
 
 @body
-def _pv_visible_only(p_tile, v_tile, program, pos0, k0, group, has_additive, additive, bm,
-                     kv_head, row0, pv, visible):
+def _pv_visible_only(p_tile, v_tile, mask, pos0, k0, group, bm, kv_head, row0, pv, visible):
     """``pv = P V`` reading only each row's visible keys (V holds a NaN or inf).
 
     Used instead of the GEMM when a partially masked tile's values are not all finite, so
     that a non-finite value behind the mask (``p = 0``) cannot reach the rows it is hidden
     from, while a row that sees it still gets NaN, as the reference does.  Rows of
     ``p_tile`` are stacked position-major: row ``r * group + hl`` is position ``pos0 + r``
-    of head ``kv_head * group + hl``.
+    of head ``kv_head * group + hl``.  ``mask`` holds
+    :class:`~numattn.core.problem.MaskArgs`' fields.
     """
+    program, additive, has_additive = mask
     kw = v_tile.shape[0]
     head_dim = v_tile.shape[1]
     n_hm = additive.shape[1]
@@ -312,9 +312,8 @@ def _key_extent(program, q0, q1, k0, kw):
 
 
 @body
-def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible, k_tile,
-               v_tile, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k0, group, program,
-               has_additive, additive, bm, kv_head, row0):
+def _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k0, group,
+               mask, bm, kv_head, row0):
     """One online-softmax step of query positions ``[r0, r1)`` over tile keys ``[ka, kb)``.
 
     ``S = Q K^T`` and ``P V`` are two BLAS GEMMs on contiguous views of the stacked rows
@@ -322,7 +321,15 @@ def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible, k_ti
     pair by pair in between.  The state moves as every tile loop's does
     (:mod:`numattn.kernels.shared.softmax`): :func:`.softmax.softmax_tile` turns ``S`` into
     ``P`` and updates ``m`` and ``l``, then ``acc = alpha acc + P V`` (:func:`accumulate`).
+    ``scratch`` is the thread's buffers (:func:`_flash_kernel`), ``mask`` holds
+    :class:`~numattn.core.problem.MaskArgs`' fields.
     """
+    q_buf, acc_buf, pv_buf, s_buf = scratch[0], scratch[1], scratch[2], scratch[3]
+    row_state, k_tile, v_tile, visible = scratch[4], scratch[5], scratch[6], scratch[7]
+    program, additive, has_additive = mask
+    m_run = row_state[0]
+    l_run = row_state[1]
+    alpha = row_state[2]
     i0 = r0 * group
     rows = (r1 - r0) * group
     nk = kb - ka
@@ -362,8 +369,8 @@ def _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible, k_ti
     softmax_tile(scores, m_rows, l_rows, alpha_rows)
     pv = pv_buf[: rows * head_dim].reshape(rows, head_dim)
     if elementwise and not v_finite:
-        _pv_visible_only(scores, values, program, pos0 + r0, k0 + ka, group, has_additive,
-                         additive, bm, kv_head, row0 + r0, pv, visible)
+        _pv_visible_only(scores, values, mask, pos0 + r0, k0 + ka, group, bm, kv_head,
+                         row0 + r0, pv, visible)
     else:
         np.dot(scores, values, pv)
     acc = acc_buf[i0 * head_dim: (i0 + rows) * head_dim].reshape(rows, head_dim)
@@ -388,11 +395,20 @@ def _tile_costs(q_start_pos, num_keys, seq, row0, widths, program, block_k, cost
         cost[i] = width * (keys + 1)
 
 
-def _flash_kernel(q, q_offsets, q_start_pos, item_seq, item_head, item_row0, item_width, starts,
-                  k_blocks,
-                  v_blocks, page_size, lookup_table, row_base, num_keys, program, additive,
-                  has_additive, scale, sinks, has_sink, group, block_q, block_k, sub_q,
-                  out, lse, want_lse):
+def _flash_kernel(queries, schedule, kv, mask, softmax, tiling, outputs):
+    """Every work item of ``schedule = (items, starts)`` (:func:`_work_items`), thread ``t``
+    those of ``starts[t]:starts[t + 1]``.
+
+    ``queries``, ``kv``, ``mask`` and ``softmax`` are tuples of the fields of
+    :class:`~numattn.core.problem.QueryRows`, :class:`~numattn.core.problem.PagedKV`,
+    :class:`~numattn.core.problem.MaskArgs` and :class:`~numattn.core.problem.SoftmaxArgs`;
+    ``tiling = (group, block_q, block_k, sub_q)``; ``outputs = (out [T, H, D], lse [T, H],
+    want_lse)``.
+    """
+    q = queries[0]
+    items, starts = schedule
+    item_seq, item_head, item_row0, item_width = items[0], items[1], items[2], items[3]
+    group, block_q, block_k = tiling[0], tiling[1], tiling[2]
     head_dim = q.shape[2]
     dtype = q.dtype
     widest = 0  # rows of the widest item (at most block_q): scratch for the stacked rows
@@ -413,20 +429,24 @@ def _flash_kernel(q, q_offsets, q_start_pos, item_seq, item_head, item_row0, ite
         v_tile = np.empty(block_k * head_dim, dtype=dtype)
         visible = np.empty(block_k, dtype=np.bool_)
         key_rows = np.empty((2, block_k), dtype=np.int64)  # page and slot of each key
+        scratch = (q_buf, acc_buf, pv_buf, s_buf, row_state, k_tile, v_tile, visible, key_rows)
         for item in range(starts[thread], starts[thread + 1]):
-            _run_item(q, q_offsets, q_start_pos, item_seq[item], item_head[item], item_row0[item],
-                      item_width[item], k_blocks, v_blocks, page_size, lookup_table, row_base,
-                      num_keys, program, additive, has_additive, scale, sinks, has_sink, group,
-                      block_k, sub_q, out, lse, want_lse, q_buf, acc_buf, pv_buf, s_buf,
-                      row_state, k_tile, v_tile, visible, key_rows)
+            _run_item(queries, item_seq[item], item_head[item], item_row0[item],
+                      item_width[item], kv, mask, softmax, tiling, outputs, scratch)
 
 
 @body
-def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_blocks,
-              page_size, lookup_table, row_base, num_keys, program, additive, has_additive,
-              scale, sinks, has_sink, group, block_k, sub_q, out, lse, want_lse, q_buf,
-              acc_buf, pv_buf, s_buf, row_state, k_tile, v_tile, visible, key_rows):
-    """Compute one work item: ``width`` query rows from ``row0`` of sequence ``b``, one KV head."""
+def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outputs, scratch):
+    """Compute one work item: ``width`` query rows from ``row0`` of sequence ``b``, one KV head
+    (the arguments as :func:`_flash_kernel` takes them)."""
+    q, q_offsets, q_start_pos = queries[0], queries[1], queries[2]
+    k_blocks, v_blocks, page_size, lookup_table, row_base, num_keys = kv
+    program, additive, has_additive = mask
+    scale, sinks, has_sink = softmax
+    group, block_k, sub_q = tiling[0], tiling[2], tiling[3]
+    out, lse, want_lse = outputs
+    q_buf, acc_buf, row_state = scratch[0], scratch[1], scratch[4]
+    k_tile, v_tile, key_rows = scratch[5], scratch[6], scratch[8]
     head_dim = q.shape[2]
     zero = scale - scale  # 0 of q's dtype
     n_bm = additive.shape[0]
@@ -447,7 +467,6 @@ def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_bl
         acc_buf[i] = 0
     m_run = row_state[0]
     l_run = row_state[1]
-    alpha = row_state[2]
     for i in range(rows):
         m_run[i] = -np.inf
         l_run[i] = 0
@@ -485,10 +504,8 @@ def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_bl
                 v_tile[j * head_dim + d] = x
                 v_finite &= x - x == zero  # NaN for NaN and inf
         if status == TILE_NONE and not has_additive:
-            _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible,
-                       k_tile, v_tile, head_dim, v_finite, first, width, first, kw,
-                       not elementwise, pos0, k0, group, program, has_additive, additive, bm,
-                       kv_head, row0)
+            _tile_step(scratch, head_dim, v_finite, first, width, first, kw, not elementwise,
+                       pos0, k0, group, mask, bm, kv_head, row0)
             continue
         # Partially masked: blocks of sub_q positions, each trimmed to the keys it sees;
         # consecutive unmasked blocks run as one taller step.
@@ -502,17 +519,14 @@ def _run_item(q, q_offsets, q_start_pos, b, kv_head, row0, width, k_blocks, v_bl
                     run0 = r0 if run0 < 0 else run0
                     continue
             if run0 >= 0:  # flush the unmasked run [run0, r0)
-                _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha,
-                           visible, k_tile, v_tile, head_dim, v_finite, run0,
-                           min(r0, width), first, kw, not elementwise, pos0, k0, group,
-                           program, has_additive, additive, bm, kv_head, row0)
+                _tile_step(scratch, head_dim, v_finite, run0, min(r0, width), first, kw,
+                           not elementwise, pos0, k0, group, mask, bm, kv_head, row0)
                 run0 = first - 1
             if sub == TILE_FULL:
                 continue
             ka, kb = _key_extent(program, pos0 + r0, pos0 + r1 - 1, k0, kw)
-            _tile_step(q_buf, acc_buf, pv_buf, s_buf, m_run, l_run, alpha, visible,
-                       k_tile, v_tile, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0,
-                       k0, group, program, has_additive, additive, bm, kv_head, row0)
+            _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k0,
+                       group, mask, bm, kv_head, row0)
     for r in range(width):
         for hl in range(group):
             h = h0 + hl

@@ -15,13 +15,15 @@ flash and cross attention use for speculative decoding and short chunks over lon
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from ...core.jit import body, cpu_jit, prange
 from ...core.masks import TILE_FULL, TILE_NONE
-from ...core.validate import row_counts, shape_of
+from ...core.validate import row_counts
 from ..shared.masks import key_bias, mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
 from ..shared.partitions import MIN_TILES_PER_PARTITION, partition_bounds, partition_count
@@ -103,43 +105,71 @@ def _whole_tile_values(layout, dtype):
 
 
 
-def run_decode_cpu(q, args, num_partitions, out):
-    import numba
+class DecodeLaunch(NamedTuple):
+    """How the CPU runs decode over one step's caches (:func:`decode_launch`): the same for
+    every layer of the step, so that a plan computes it once."""
 
-    layout = args.layout
-    batch, num_heads, head_dim = shape_of(q)
-    dtype = q.dtype
-    result = out if out is not None else np.empty((batch, num_heads, head_dim), dtype)
-    lse = np.empty((batch, num_heads), dtype)
-    if batch == 0 or num_heads == 0:
-        return result, lse
-    block_k = args.config.block_k
-    # Little work, or a single work item, runs on the calling thread (waking the worker
-    # threads costs more), and there an automatic count is one partition per sequence.
+    tiling: tuple  # (block_k, tile_keys, prefetch_lines, tile_values): :func:`_tiling`
+    parts: int  # key partitions per sequence
+    parallel: bool  # partial states on the worker threads
+    schedule: tuple  # (item_order, thread_starts) of :func:`_decode_partitions_cpu`
+
+
+def decode_launch(layout, q_offsets, dtype, config, num_partitions):
+    """The :class:`DecodeLaunch` of decode over ``layout`` (one query row per sequence,
+    ``q_offsets``), in ``dtype``, for ``num_partitions`` (``None``: automatic).
+
+    Little work, or a single work item, runs on the calling thread (waking the worker
+    threads costs more), and there an automatic count is one partition per sequence.
+    """
+    block_k = config.block_k
+    batch = q_offsets.shape[0] - 1
     serial = 2 * layout.total_keys * _row_bytes(layout, dtype) <= SERIAL_KV_BYTES
     if serial and num_partitions is None:
         parts = 1
     else:
-        parts = partition_count(num_partitions, args.max_keys, batch, block_k,
-                                 numba.get_num_threads())
+        import numba
+
+        parts = partition_count(num_partitions, layout.max_keys, batch, block_k,
+                                numba.get_num_threads())
+    parallel = not serial and batch * parts > 1
+    return DecodeLaunch(_tiling(layout, dtype, block_k, _cpu_tile_keys(layout, dtype, block_k)),
+                        parts, parallel,
+                        _schedule(q_offsets, layout.num_keys, parts, block_k, parallel))
+
+
+def run_decode_cpu(problem, launch):
+    """Decode of a normalised problem (:class:`numattn.core.problem.AttentionProblem`, one
+    query row per sequence) as ``launch`` says; returns ``(out, lse)``."""
+    queries, layout, mask, softmax, _, out, out_shape, _, _ = problem
+    q, q_offsets, q_start_pos, _ = queries
+    batch, num_heads, _ = q.shape
+    dtype = q.dtype
+    result = out if out is not None else np.empty(out_shape, dtype)
+    lse = np.empty((batch, num_heads), dtype)
+    if batch == 0 or num_heads == 0:
+        return result, lse
+    program, additive, has_additive = mask
+    scale, sinks, has_sink = softmax
+    tiling = launch.tiling
     part_m, part_l, part_acc = _partial_states_cpu(
-        np.ascontiguousarray(q), np.arange(batch + 1, dtype=np.int64), layout.num_keys - 1, 1,
-        layout, args.program, args.additive, args.has_additive, args.scale, block_k,
-        _cpu_tile_keys(layout, dtype, block_k), parts, not serial and batch * parts > 1,
+        q, q_offsets, q_start_pos, 1, layout, program, additive, has_additive, scale,
+        tiling[0], tiling[1], launch.parts, launch.parallel, tiling, launch.schedule,
     )
-    parallel = part_acc.size > SERIAL_REDUCE_ELEMENTS
-    cpu_jit(_decode_reduce_cpu, parallel=parallel)(
-        part_m, part_l, part_acc, args.sinks, args.has_sink, result, lse
+    cpu_jit(_decode_reduce_cpu, parallel=part_acc.size > SERIAL_REDUCE_ELEMENTS)(
+        part_m, part_l, part_acc, sinks, has_sink, result, lse
     )
     return result, lse
 
 
 def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
-                        has_additive, scale, block_k, tile_keys, parts, parallel):
+                        has_additive, scale, block_k, tile_keys, parts, parallel, tiling=None,
+                        schedule=None):
     """``part_m, part_l, part_acc`` of every (sequence, partition) from
-    :func:`_decode_partitions_cpu` (on the worker threads if ``parallel``), read the way
-    this layout's row length asks for (:func:`_prefetch_lines`,
-    :func:`_whole_tile_values`)."""
+    :func:`_decode_partitions_cpu` (on the worker threads if ``parallel``), tiled as
+    ``tiling`` says (else as :func:`_tiling` says for ``block_k`` and ``tile_keys``), the
+    items dealt by ``schedule`` (else by :func:`_schedule`).  The structured arguments go
+    as plain tuples: Numba types those in C at each call, NamedTuples in Python."""
     batch = q_offsets.shape[0] - 1
     num_rows = max_q_len * q.shape[1]
     dtype = q.dtype
@@ -147,25 +177,47 @@ def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     part_l = np.empty((batch, parts, num_rows), dtype)
     shape = (batch, parts, num_rows, q.shape[2])
     if parallel:
-        import numba
-
         # on a cache line for the worker threads' items; a call on the calling thread
         # (short, as a rule) keeps np.empty: aligning costs 1 us, more than it saves there
         part_acc = aligned_empty(math.prod(shape), q).reshape(shape)
-        item_order, thread_starts = cpu_jit(_partition_schedule)(
-            q_offsets, layout.num_keys, parts, block_k, numba.get_num_threads()
-        )
     else:
         part_acc = np.empty(shape, dtype)
-        item_order = np.arange(batch * parts, dtype=np.int64)
-        thread_starts = np.array([0, batch * parts], dtype=np.int64)
+    if tiling is None:
+        tiling = _tiling(layout, dtype, block_k, tile_keys)
+    if schedule is None:
+        schedule = _schedule(q_offsets, layout.num_keys, parts, block_k, parallel)
+    # QueryRows', PagedKV's (layout[:6]) and MaskArgs' fields
     cpu_jit(_decode_partitions_cpu, parallel=parallel)(
-        q, q_offsets, q_start_pos, max_q_len, layout.k_blocks, layout.v_blocks,
-        layout.page_size, layout.lookup_table, layout.row_base, layout.num_keys, program,
-        additive, has_additive, scale, block_k, tile_keys, _prefetch_lines(layout, dtype),
-        _whole_tile_values(layout, dtype), item_order, thread_starts, part_m, part_l, part_acc,
+        (q, q_offsets, q_start_pos, max_q_len), layout[:6], (program, additive, has_additive),
+        scale, tiling, schedule, (part_m, part_l, part_acc),
     )
     return part_m, part_l, part_acc
+
+
+def _tiling(layout, dtype, block_k, tile_keys):
+    """``(block_k, tile_keys, prefetch_lines, tile_values)`` of :func:`_decode_partitions_cpu`:
+    rows read the way their length asks for (:func:`_prefetch_lines`,
+    :func:`_whole_tile_values`)."""
+    return (block_k, tile_keys, _prefetch_lines(layout, dtype),
+            _whole_tile_values(layout, dtype))
+
+
+def _schedule(q_offsets, num_keys, parts, block_k, parallel):
+    """``(item_order, thread_starts)`` of :func:`_decode_partitions_cpu`: on the worker
+    threads, :func:`_partition_schedule`; on the calling thread, every item in order."""
+    if parallel:
+        import numba
+
+        return cpu_jit(_partition_schedule)(q_offsets, num_keys, parts, block_k,
+                                            numba.get_num_threads())
+    return _in_order((q_offsets.shape[0] - 1) * parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _in_order(items):
+    """``(item_order, thread_starts)``: ``items`` work items in order on one thread (shared
+    by the calls that need it: the kernel only reads it)."""
+    return np.arange(items, dtype=np.int64), np.array([0, items], dtype=np.int64)
 
 
 def _partition_schedule(q_offsets, num_keys, num_partitions, block_k, num_threads):
@@ -183,8 +235,7 @@ def _partition_schedule(q_offsets, num_keys, num_partitions, block_k, num_thread
     return zigzag_schedule(cost, num_threads)
 
 
-def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
-                        has_additive, scale, sink_weights, config, out, lse, parallel):
+def run_multi_query_cpu(queries, layout, mask, max_q_len, softmax, config, out, lse, parallel):
     """Attention of a few query rows per sequence with decode's CPU kernels (no validation).
 
     :func:`.flash.run_flash_cpu` sends problems of at most
@@ -193,10 +244,14 @@ def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     (speculative decoding, short chunks over a long cache): the ``S group`` rows of a KV
     head read each token's ``[Hkv, D]`` K and V row once, where the flash kernel's items
     (one KV head each) stride through the rows.
-    Same arguments as :func:`.flash.run_flash_cpu`, plus ``max_q_len`` and
-    ``parallel`` (use the worker threads).  The key partitions do not depend on the number
-    of threads (:data:`MULTI_QUERY_WORKERS`), so neither do the results.
+    The arguments are parts of a :class:`~numattn.core.problem.AttentionProblem`, plus
+    ``max_q_len`` (the longest sequence's rows), ``out [T, H, D]`` and ``lse [T, H]`` (or
+    ``None``) to write and ``parallel`` (use the worker threads).  The key partitions do not
+    depend on the number of threads (:data:`MULTI_QUERY_WORKERS`), so neither do the results.
     """
+    q, q_offsets, q_start_pos, _ = queries
+    program, additive, has_additive = mask
+    scale, sinks, has_sink = softmax
     total, num_heads, head_dim = q.shape
     batch = q_offsets.shape[0] - 1
     num_kv_heads = layout.num_kv_heads
@@ -209,16 +264,15 @@ def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
                              max(1, MIN_TILES_PER_PARTITION // max_q_len))
     part_m, part_l, part_acc = _partial_states_cpu(
         q, q_offsets, q_start_pos, max_q_len, layout, program, additive, has_additive,
-        dtype.type(scale), config.block_k, config.block_k, parts, parallel,
+        scale, config.block_k, config.block_k, parts, parallel,
     )
     # state row (j S + s) group + g is local row s of head j group + g
-    sinks = np.zeros(num_heads, dtype) if sink_weights is None else sink_weights
     row_sinks = np.ascontiguousarray(np.broadcast_to(
         sinks.reshape(num_kv_heads, 1, group), (num_kv_heads, max_q_len, group)).reshape(-1))
     rows_out = np.empty((batch, num_rows, head_dim), dtype)
     rows_lse = np.empty((batch, num_rows), dtype)
     cpu_jit(_decode_reduce_cpu, parallel=parallel and part_acc.size > SERIAL_REDUCE_ELEMENTS)(
-        part_m, part_l, part_acc, row_sinks, sink_weights is not None, rows_out, rows_lse
+        part_m, part_l, part_acc, row_sinks, has_sink, rows_out, rows_lse
     )
     # back to [T, H(, D)]: query row t is local row t - q_offsets[b] of its sequence b
     q_lens = row_counts(q_offsets)
@@ -233,13 +287,16 @@ def run_multi_query_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
 
 
 
-def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blocks,
-                           page_size, lookup_table, row_base, num_keys, program, additive,
-                           has_additive, scale, block_k, tile_keys, prefetch_lines,
-                           tile_values, item_order, thread_starts, part_m, part_l, part_acc):
+def _decode_partitions_cpu(queries, kv, mask, scale, tiling, schedule, states):
     """Partial states ``part_* [B, P, R(, D)]``: one work item ``b P + p`` per (sequence
     ``b``, partition ``p``); thread ``t`` computes items
     ``item_order[thread_starts[t]:thread_starts[t + 1]]`` (:func:`_partition_schedule`).
+
+    The arguments are tuples: ``queries`` of :class:`~numattn.core.problem.QueryRows`'
+    fields, ``kv`` of :class:`~numattn.core.problem.PagedKV`'s, ``mask`` of
+    :class:`~numattn.core.problem.MaskArgs`', ``tiling = (block_k, tile_keys,
+    prefetch_lines, tile_values)``, ``schedule = (item_order, thread_starts)`` and
+    ``states = (part_m, part_l, part_acc)``.
 
     Sequence ``b`` has query rows ``q[q_offsets[b]:q_offsets[b + 1]]`` (at most
     ``max_q_len`` = S; one for decode) at positions ``q_start_pos[b] + s``.  Its ``R = S H``
@@ -255,6 +312,12 @@ def _decode_partitions_cpu(q, q_offsets, q_start_pos, max_q_len, k_blocks, v_blo
     :func:`_cpu_tile_keys`); ``prefetch_lines`` (:func:`_prefetch_lines`) and
     ``tile_values`` (:func:`_whole_tile_values`) choose how rows are read for their length.
     """
+    q, q_offsets, q_start_pos, max_q_len = queries
+    k_blocks, v_blocks, page_size, lookup_table, row_base, num_keys = kv
+    program, additive, has_additive = mask
+    block_k, tile_keys, prefetch_lines, tile_values = tiling
+    item_order, thread_starts = schedule
+    part_m, part_l, part_acc = states
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_blocks.shape[2]
     group = num_heads // num_kv_heads

@@ -48,8 +48,12 @@ def _shared_bytes(width, keys, itemsize):
     return keys * 8 + width * (keys + 3) * itemsize
 
 
-def run_cross_cuda(q, q_offsets, layout, program, additive, has_additive, scale, group, config,
-                out, return_lse):
+def run_cross_cuda(problem):
+    """Cross attention of a normalised problem (:class:`numattn.core.problem.AttentionProblem`)
+    on CUDA; returns ``out`` or ``(out, lse)`` with ``problem.return_lse``."""
+    q, q_offsets, layout, config = problem.q, problem.q_offsets, problem.layout, problem.config
+    program, additive, has_additive = problem.mask
+    scale, group, out, return_lse = problem.scale, problem.group, problem.out, problem.return_lse
     cuda = require_cuda()
     num_tokens, num_heads, head_dim = shape_of(q)
     dtype = dtype_of(q)

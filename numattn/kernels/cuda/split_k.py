@@ -34,7 +34,11 @@ CUDA_MAX_TILE = 1024
 CUDA_SHARED_BYTES = 48 * 1024
 
 
-def run_decode_cuda(q, args, num_partitions, out):
+def run_decode_cuda(problem, num_partitions):
+    """Decode of a normalised problem (:class:`numattn.core.problem.AttentionProblem`, one
+    query row per sequence) in ``num_partitions`` key partitions (``None``: automatic);
+    returns ``(out, lse)``, on the device where the queries or ``out`` are."""
+    q, out, args = problem.q, problem.out, problem  # args: the problem's fields by name
     cuda = require_cuda()
     layout = args.layout
     batch, num_heads, head_dim = shape_of(q)
