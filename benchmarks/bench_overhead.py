@@ -11,7 +11,9 @@ is spread over them and left out here), and of PyTorch's CPU
 ``scaled_dot_product_attention`` on the same work (dense K/V, ``enable_gqa=True``; a padded
 causal mask for the prefill cases), then torch's time over each of numattn's (above 1:
 numattn is faster).  The contenders take turns in blocks of calls, round after round, so
-that all see the same state of a shared machine.
+that all see the same state of a shared machine.  ``--torch-threads N`` sets torch's thread
+count (by default its own): on a busy virtual machine, waking its workers for every call
+costs torch more than the call's work.
 """
 
 from __future__ import annotations
@@ -127,17 +129,22 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=at_least(1), default=200, help="calls per block")
     parser.add_argument("--rounds", type=at_least(1), default=15)
+    parser.add_argument("--torch-threads", type=at_least(1), default=None,
+                        help="torch's thread count (default: its own)")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     torch = torch_or_none()
+    if torch is not None and args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
     cases = [
         ("decode B=1 N=16", decode_case(rng, torch, 1, 16)),
         ("decode B=4 N=64", decode_case(rng, torch, 4, 64)),
         ("flash B=1 S=4 N=20", prefill_case(rng, torch, 1, 4, 20, "flash")),
         ("cross B=2 S=4 N=16", prefill_case(rng, torch, 2, 4, 16, "cross")),
     ]
+    threads = f"{torch.get_num_threads()} threads" if torch is not None else "no"
     print(f"float32 H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM}; {os.cpu_count()} cores; "
-          f"torch {'yes' if torch is not None else 'no'}")
+          f"torch {threads}")
     print(f"{'case':<22}{'call us':>9}{'plan us':>9}{'torch us':>10}{'torch/call':>12}"
           f"{'torch/plan':>12}{'call/plan':>11}")
     for label, fns in cases:
