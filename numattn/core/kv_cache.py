@@ -204,7 +204,7 @@ class KVLayout(NamedTuple):
 
     The first six fields, in this order, are what the kernels take: ``layout[:6]`` is a
     plain tuple of :class:`numattn.core.problem.PagedKV`'s fields (Numba types a plain
-    tuple in C, a NamedTuple in Python: ~1.3 us a call).
+    tuple in C, a NamedTuple in Python, slower at every call).
     """
 
     k_blocks: object  # [pages, page_size, Hkv, D], host or device array
@@ -424,8 +424,8 @@ def _zeros(batch):
 
 def _check_cache_tables(lengths, kv_lens, table, capacity, num_pages, page_size, step,
                         num_keys, kernel_table):
-    """Check a cache's lengths and table in one compiled pass (NumPy steps on these small
-    arrays cost ~1 us each, a dozen of them per call); nothing here raises.
+    """Check a cache's lengths and table in one compiled pass (a dozen NumPy steps on these
+    small arrays would cost more than the kernel); nothing here raises.
 
     ``table`` is ``[B, P]`` (continuous batching: ``P = 1``, a sequence's page is its slot).
     Returns ``(error, b, j, max_keys, total_keys)``: ``error`` 0, or ``_NEGATIVE_LENGTH`` /

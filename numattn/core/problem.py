@@ -13,8 +13,7 @@ an :class:`OperationRules` says which.
 
 The kernels take the parts as the NamedTuples :class:`QueryRows`, :class:`PagedKV`,
 :class:`MaskArgs` and :class:`SoftmaxArgs`, passed as plain tuples of their fields, in
-this order: Numba types a plain tuple in C, but a NamedTuple in Python (~1.3 us each, at
-every call).
+this order: Numba types a plain tuple in C, but a NamedTuple in Python (slower, at every call).
 """
 
 from __future__ import annotations

@@ -106,8 +106,8 @@ def _work_items(q_offsets, q_start_pos, num_keys, num_kv_heads, program, block_q
     how, so results do not depend on the number of threads.  Returns ``items [4, n]`` (rows:
     each item's sequence, KV head, first row and width), ``starts`` and the total cost
     (query rows x keys, summed over the KV heads): two arrays, as Numba hands each array it
-    returns to Python at a cost.  Compiled: a few microseconds a call (the same steps as
-    NumPy array operations cost ~40 us on small problems).
+    returns to Python at a cost.  Compiled, because the same steps as NumPy array operations
+    cost more than the kernel on small problems (docs/plans.rst).
     """
     batch = q_offsets.shape[0] - 1
     tiles = np.empty(batch, dtype=np.int64)

@@ -178,7 +178,7 @@ def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     shape = (batch, parts, num_rows, q.shape[2])
     if parallel:
         # on a cache line for the worker threads' items; a call on the calling thread
-        # (short, as a rule) keeps np.empty: aligning costs 1 us, more than it saves there
+        # (short, as a rule) keeps np.empty: aligning costs more than it saves there
         part_acc = aligned_empty(math.prod(shape), q).reshape(shape)
     else:
         part_acc = np.empty(shape, dtype)
