@@ -18,8 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from .core.device import is_device_array, require_cuda
+from .core.dtypes import lse_dtype
 from .core.masks import NullMask
-from .core.problem import OUT_APART, OperationRules, attention_problem
+from .core.problem import OUT_APART, OperationRules, attention_problem, finish_result
 
 __all__ = ["cross_attention"]
 
@@ -135,14 +136,15 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
         return run_cross_cuda(problem)
     from .kernels.cpu.flash import run_flash_cpu
 
-    result, lse = run_flash_cpu(problem)
+    result, lse = finish_result(problem, *run_flash_cpu(problem))
     return (result, lse) if return_lse else result
 
 
 def _empty_result(problem):
     """The result of a batch of zero sequences (nothing launched, ``out`` untouched)."""
-    shape, out, dtype = problem.out_shape, problem.out, problem.q.dtype
+    shape, dtype = problem.out_shape, problem.result_dtype
+    out = problem.out if problem.final_out is None else problem.final_out
     on_device = is_device_array(problem.q if out is None else out)
     empty = require_cuda().device_array if on_device else np.empty
     result = out if out is not None else empty(shape, dtype=dtype)
-    return (result, empty(shape[:2], dtype=dtype)) if problem.return_lse else result
+    return (result, empty(shape[:2], dtype=lse_dtype(dtype))) if problem.return_lse else result

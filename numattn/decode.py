@@ -26,9 +26,11 @@ from .core.problem import (
     OperationRules,
     attention_problem,
     attention_step,
+    finish_result,
     layer_problem,
+    plan_q_dtype,
 )
-from .core.validate import check_array, check_float_dtype, shape_of
+from .core.validate import check_array, check_kv_dtype, check_q_dtype, shape_of
 
 __all__ = ["DecodePlan", "decode_attention"]
 
@@ -186,7 +188,7 @@ class DecodePlan:
     """
 
     def __init__(self, k, v, mask=NO_MASK, *, num_partitions=None, device="auto",
-                 config=None):
+                 config=None, q_dtype=None):
         config = resolve_config(config)
         self._num_partitions = _check_num_partitions(
             config.num_partitions if num_partitions is None else num_partitions
@@ -194,15 +196,16 @@ class DecodePlan:
         resolve_device(device, [])  # the name only: the arrays decide per run
         self._device = device
         if isinstance(k, KVCache):
-            batch, dtype = k.batch_size, k.dtype
+            batch, kv_dtype = k.batch_size, k.dtype
         else:
             check_array("k", k, ndim=4)
-            batch, dtype = shape_of(k)[0], check_float_dtype("k", k)
+            batch, kv_dtype = shape_of(k)[0], check_kv_dtype("k", k)
         program, tensor = compile_mask(mask)
         step = attention_step(
             k, v, program, tensor, q_offsets=np.arange(batch + 1, dtype=np.int64),
             q_lens=np.ones(batch, dtype=np.int64), max_q_len=1, kv_offsets=None,
-            ragged=False, dtype=dtype, num_heads=None, config=config, rules=RULES,
+            ragged=False, dtype=plan_q_dtype(q_dtype, kv_dtype), num_heads=None,
+            config=config, rules=RULES,
         )
         self._kv = PlannedKV(k, v, step.layout)
         self._step = step._replace(layout=self._kv.layout)
@@ -226,9 +229,9 @@ class DecodePlan:
     def _check_queries(self, q):
         """Refuse queries that are not ``[B, H, D]`` of the plan's dtype and batch."""
         check_array("q", q, ndim=3)
-        dtype = check_float_dtype("q", q)
-        if dtype != self._step.dtype:
-            raise TypeError(f"q must have the plan's dtype {self._step.dtype}, got {dtype}")
+        dtype = check_q_dtype("q", q)
+        if dtype != self._step.q_dtype:
+            raise TypeError(f"q must have the plan's q_dtype {self._step.q_dtype}, got {dtype}")
         if shape_of(q)[0] != self._batch:
             raise ValueError(f"q must have B = {self._batch} rows, one per sequence of the "
                              f"plan, got shape {list(shape_of(q))}")
@@ -261,7 +264,7 @@ class DecodePlan:
             is not what the plan was made for.  Nothing is written then.
         """
         step = self._step
-        if not (type(q) is np.ndarray and q.ndim == 3 and q.dtype == step.dtype
+        if not (type(q) is np.ndarray and q.ndim == 3 and q.dtype == step.q_dtype
                 and q.shape[0] == self._batch and q.shape[2] > 0):
             self._check_queries(q)
         if return_lse is not False and return_lse is not True and not isinstance(
@@ -281,7 +284,7 @@ class DecodePlan:
             result, lse = _run(problem, self._num_partitions, None)
         else:
             launch = self._launch or self._cpu_launch(layout)
-            result, lse = self._run_cpu(problem, launch)
+            result, lse = finish_result(problem, *self._run_cpu(problem, launch))
         return (result, lse) if return_lse else result
 
 
@@ -297,7 +300,7 @@ def _run(problem, num_partitions, launch):
     if launch is None:
         launch = decode_launch(problem.layout, problem.q_offsets, problem.q.dtype,
                                problem.config, num_partitions)
-    return run_decode_cpu(problem, launch)
+    return finish_result(problem, *run_decode_cpu(problem, launch))
 
 
 def _check_num_partitions(num_partitions):

@@ -20,11 +20,13 @@ from .core.problem import (
     OperationRules,
     attention_problem,
     attention_step,
+    finish_result,
     layer_problem,
+    plan_q_dtype,
 )
 from .core.validate import (
     check_array,
-    check_float_dtype,
+    check_kv_dtype,
     check_row_offsets,
     dtype_of,
     host_int_array,
@@ -122,7 +124,7 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     )
     from .kernels.cpu.flash import run_flash_cpu  # kernel modules load at the first call
 
-    result, lse = run_flash_cpu(problem)
+    result, lse = finish_result(problem, *run_flash_cpu(problem))
     return (result, lse) if return_lse else result
 
 
@@ -207,14 +209,15 @@ class FlashPlan:
     """
 
     def __init__(self, k, v, mask, *, q_input_row_offsets, kv_input_row_offsets=None,
-                 config=None):
+                 config=None, q_dtype=None):
         config = resolve_config(config)
         _check_on_host(None, k, v, mask)
         if isinstance(k, KVCache):
-            dtype = k.dtype
+            kv_dtype = k.dtype
         else:
             check_array("k", k)
-            dtype = check_float_dtype("k", k)
+            kv_dtype = check_kv_dtype("k", k)
+        dtype = plan_q_dtype(q_dtype, kv_dtype)
         offsets = host_int_array("q_input_row_offsets", q_input_row_offsets)
         self._total = int(offsets[-1]) if offsets.shape[0] else 0
         q_offsets = check_row_offsets("q_input_row_offsets", offsets, self._total,
@@ -261,8 +264,8 @@ class FlashPlan:
         step = self._step
         _check_on_host(q, k, v, None)
         check_array("q", q, ndim=3)
-        if dtype_of(q) != step.dtype:
-            raise TypeError(f"q must have the plan's dtype {step.dtype}, got {dtype_of(q)}")
+        if dtype_of(q) != step.q_dtype:
+            raise TypeError(f"q must have the plan's q_dtype {step.q_dtype}, got {dtype_of(q)}")
         if shape_of(q)[0] != self._total:
             raise ValueError(f"q must have T = {self._total} rows, as the plan's "
                              f"q_input_row_offsets, got shape {list(shape_of(q))}")
@@ -275,5 +278,5 @@ class FlashPlan:
         problem = layer_problem(step, q, layout, scale,
                                 None if sink_weights is None else to_host(sink_weights), out,
                                 return_lse, "cpu")
-        result, lse = self._run_cpu(problem, self._items)
+        result, lse = finish_result(problem, *self._run_cpu(problem, self._items))
         return (result, lse) if return_lse else result

@@ -11,7 +11,14 @@ from .core.kv_cache import (
     PagedKVCache,
     resolve_cache,
 )
-from .core.validate import check_array, check_row_offsets, dtype_of, row_counts, shape_of
+from .core.validate import (
+    check_array,
+    check_kv_dtype,
+    check_row_offsets,
+    dtype_of,
+    row_counts,
+    shape_of,
+)
 
 __all__ = ["ContinuousBatchingKVCache", "PagedKVCache", "store_kv"]
 
@@ -29,7 +36,12 @@ def store_kv(cache, new_rows, input_row_offsets):
     cache : ContinuousBatchingKVCache or PagedKVCache
         The cache to write into (host arrays).
     new_rows : ndarray, shape [T, Hkv, D]
-        New rows of all sequences, concatenated; the cache's dtype.
+        New rows of all sequences, concatenated, of any float dtype (float64, float32,
+        float16, bfloat16, float8): converted to the cache's dtype by rounding to nearest
+        even (float8_e4m3fn saturating at +-448).  Into int8, and into float8 with scales,
+        each (token, KV head) row gets the scale ``max|x| / 127`` (``/ 448`` for e4m3fn,
+        ``/ 57344`` for e5m2) and stores ``x / scale`` rounded; rows stored before keep
+        theirs.
     input_row_offsets : int array, shape [B + 1]
         Sequence ``b`` owns rows ``input_row_offsets[b]:input_row_offsets[b + 1]``.
 
@@ -45,7 +57,7 @@ def store_kv(cache, new_rows, input_row_offsets):
         for ``cache_lengths`` near the int64 limit) or on a page index out of range, or if
         shapes disagree.
     TypeError
-        If ``cache`` is not a cache or dtypes disagree.
+        If ``cache`` is not a cache or ``new_rows`` is not of a float dtype.
 
     Examples
     --------
@@ -71,19 +83,17 @@ def store_kv(cache, new_rows, input_row_offsets):
         raise ValueError(
             f"new_rows must have shape [T, Hkv={hkv}, D={d}], got {list(shape_of(new_rows))}"
         )
-    if dtype_of(new_rows) != dtype_of(cache.blocks):
-        raise TypeError(
-            f"new_rows must have the cache's dtype {dtype_of(cache.blocks)}, got "
-            f"{dtype_of(new_rows)}"
-        )
+    if dtype_of(new_rows) == np.int8:
+        raise TypeError("new_rows must be of a float dtype (store_kv quantizes them into an "
+                        "int8 cache), got int8")
+    check_kv_dtype("new_rows", new_rows)
     batch = cache.batch_size
     offsets = check_row_offsets(
         "input_row_offsets", input_row_offsets, new_rows.shape[0], "new_rows.shape[0]",
         batch=batch,
     )
     kv_lens = row_counts(offsets)
-    layout = resolve_cache(cache, cache, batch=batch, dtype=dtype_of(cache.blocks),
-                            kv_lens=kv_lens)
+    layout = resolve_cache(cache, cache, batch=batch, kv_lens=kv_lens)
     seq = np.repeat(np.arange(batch), kv_lens)
     token = layout.cache_lengths[seq] + (np.arange(new_rows.shape[0]) - offsets[seq])
     pos = layout.row_base[seq] + token
@@ -91,5 +101,32 @@ def store_kv(cache, new_rows, input_row_offsets):
     # page p * page_step is its page p)
     pages = layout.lookup_table[seq, pos // layout.page_size] // layout.page_step
     slots = pos % layout.page_size
-    cache.blocks[pages, slots] = new_rows
+    stored, scales = _stored_rows(new_rows, cache.blocks.dtype, cache.scales is not None)
+    cache.blocks[pages, slots] = stored
+    if scales is not None:
+        cache.scales[pages, slots] = scales
     return cache
+
+
+#: The largest finite magnitude of each quantized format: a row's scale maps its largest
+#: element there.
+_QUANT_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def _stored_rows(rows, dtype, scaled):
+    """``(rows in dtype, scales or None)``: rounded to nearest even (e4m3fn saturating);
+    quantized with one scale per (row, head) when ``scaled``."""
+    rows = np.asarray(rows)
+    if not scaled:
+        if dtype.name == "float8_e4m3fn":  # saturate: past 464 the format has only NaN
+            if rows.dtype not in (np.float32, np.float64):
+                rows = rows.astype(np.float32)  # exact: every 16- or 8-bit float is one
+            rows = np.clip(rows, -448.0, 448.0)
+        return rows.astype(dtype), None
+    wide = rows.astype(np.float32)
+    scales = np.abs(wide).max(axis=-1) / np.float32(_QUANT_MAX[dtype.name])
+    safe = np.where(scales > 0, scales, np.float32(1))[..., None]
+    if dtype == np.int8:
+        return np.clip(np.rint(wide / safe), -127, 127).astype(np.int8), scales
+    return np.clip(wide / safe, -_QUANT_MAX[dtype.name], _QUANT_MAX[dtype.name]).astype(
+        dtype), scales

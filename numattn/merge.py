@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core.validate import check_array, check_float_dtype, dtype_of, shape_of
+from .core.dtypes import lse_dtype
+from .core.validate import check_array, check_q_dtype, dtype_of, shape_of
 
 __all__ = ["merge_states"]
 
@@ -38,9 +39,11 @@ def merge_states(outs, lses):
     Parameters
     ----------
     outs : sequence of ndarray [..., D], or ndarray [P, ..., D]
-        Partial outputs, float32 or float64, all of one shape and dtype.
+        Partial outputs, all of one shape and dtype: float64, float32, float16 or bfloat16
+        (merged in float32, then rounded to their dtype).
     lses : sequence of ndarray [...], or ndarray [P, ...]
-        Their log-sum-exps, in the same dtype.
+        Their log-sum-exps: float64 for float64 outputs, else float32 (as the operations
+        return them).
 
     Returns
     -------
@@ -52,7 +55,7 @@ def merge_states(outs, lses):
     ValueError
         If there are no parts or the shapes disagree.
     TypeError
-        If dtypes are not float32/float64 or disagree.
+        If dtypes are not those above or disagree.
 
     Examples
     --------
@@ -78,15 +81,16 @@ def merge_states(outs, lses):
     for i, (o, x) in enumerate(zip(outs, lses)):
         check_array(f"outs[{i}]", o)
         check_array(f"lses[{i}]", x)
-    dtype = check_float_dtype("outs[0]", outs[0])
+    dtype = check_q_dtype("outs[0]", outs[0])
     out_shape = shape_of(outs[0])
     if len(out_shape) < 1:
         raise ValueError("each output must have at least one dimension (the head dim D)")
+    lse_type = lse_dtype(dtype)
     for i, (o, x) in enumerate(zip(outs, lses)):
-        if dtype_of(o) != dtype or dtype_of(x) != dtype:
+        if dtype_of(o) != dtype or dtype_of(x) != lse_type:
             raise TypeError(
-                f"outs[{i}] and lses[{i}] must have dtype {dtype}, got {dtype_of(o)} and "
-                f"{dtype_of(x)}"
+                f"outs[{i}] and lses[{i}] must have dtypes {dtype} and {lse_type} (as the "
+                f"operations return them), got {dtype_of(o)} and {dtype_of(x)}"
             )
         if shape_of(o) != out_shape:
             raise ValueError(f"outs[{i}] has shape {list(shape_of(o))}, expected "
@@ -97,11 +101,13 @@ def merge_states(outs, lses):
     rows = int(np.prod(out_shape[:-1], dtype=np.int64))
     d = out_shape[-1]
     parts = len(outs)  # not -1 in the reshapes: rows may be 0
-    part_out = np.ascontiguousarray(np.stack([np.asarray(o) for o in outs]).reshape(parts, rows, d))
+    # 16-bit outputs merge in float32 (lse_type), then round to their dtype
+    part_out = np.ascontiguousarray(
+        np.stack([np.asarray(o) for o in outs]).reshape(parts, rows, d), dtype=lse_type)
     part_lse = np.ascontiguousarray(np.stack([np.asarray(x) for x in lses]).reshape(parts, rows))
-    out = np.empty((rows, d), dtype=dtype)
-    lse = np.empty(rows, dtype=dtype)
+    out = np.empty((rows, d), dtype=lse_type)
+    lse = np.empty(rows, dtype=lse_type)
     from .kernels.cpu.merge import run_merge_cpu  # kernel modules load at the first call
 
     run_merge_cpu(part_out, part_lse, out, lse)
-    return out.reshape(out_shape), lse.reshape(out_shape[:-1])
+    return out.astype(dtype, copy=False).reshape(out_shape), lse.reshape(out_shape[:-1])

@@ -6,7 +6,8 @@ sequence at a time, scores are ``scale * (q . k)``, invisible pairs are removed 
 softmax (so NaN in a hidden or unused slot can never reach the output), sinks enter the
 denominator once, rows with no visible key give 0 and ``lse = -inf`` (or the sink logit).
 
-All results are float64, whatever the input dtype.
+All results are float64, whatever the input dtype; 16- and 8-bit K/V are read as the
+values they store (times a quantized cache's scales).
 """
 
 from __future__ import annotations
@@ -20,21 +21,29 @@ __all__ = ["cross_attention", "decode_attention", "flash_attention_kv_cache", "m
 
 
 def _tokens(x, b, start, count, kv_offsets=None):
-    """Rows ``start .. start + count - 1`` of sequence ``b`` of a K or V input, float64."""
+    """Rows ``start .. start + count - 1`` of sequence ``b`` of a K or V input, float64: the
+    stored values (times a quantized cache's scales)."""
     t = np.arange(start, start + count)
+    scales = None
     if isinstance(x, PagedKVCache):
         ps = x.blocks.shape[1]
         pages = np.asarray(x.lookup_table)[b, t // ps]
         rows = x.blocks[pages, t % ps]
+        if x.scales is not None:
+            scales = x.scales[pages, t % ps]
     elif isinstance(x, ContinuousBatchingKVCache):
         if count == 0:  # the table entry of a sequence that reads no row may hold anything
             return np.empty((0, *x.blocks.shape[2:]))
-        rows = x.blocks[int(np.asarray(x.lookup_table)[b]), t]
+        block = int(np.asarray(x.lookup_table)[b])
+        rows = x.blocks[block, t]
+        if x.scales is not None:
+            scales = x.scales[block, t]
     elif x.ndim == 4:  # dense [B, N, Hkv, D]
         rows = x[b, t]
     else:  # ragged [T, Hkv, D]
         rows = x[kv_offsets[b] + t]
-    return np.asarray(rows, dtype=np.float64)
+    rows = np.asarray(rows).astype(np.float64)
+    return rows if scales is None else rows * np.asarray(scales, np.float64)[..., None]
 
 
 def _additive_tensor(mask):

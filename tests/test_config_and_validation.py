@@ -72,7 +72,7 @@ def test_scale_sinks_heads_out():
     assert s.dtype == np.float64 and s.tolist() == [1.0, 2.5]
     with pytest.raises(ValueError, match=r"sink_weights must have shape \[3\]"):
         V.check_sink_weights(np.ones(2), 3, np.float32)
-    with pytest.raises(TypeError, match="float32 or float64"):
+    with pytest.raises(TypeError, match="float64, float32, float16 or bfloat16"):
         V.check_sink_weights(np.ones(2, int), 2, np.float32)
     assert V.check_heads(8, 2) == 4
     with pytest.raises(ValueError, match="multiple"):

@@ -451,8 +451,8 @@ def test_cpu_tiles_of_short_rows_are_longer():
     TILE_BYTES = internals.cpu_split_k.TILE_BYTES
 
     def tile(kv_heads, head_dim, dtype, block_k=128):
-        layout = SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim)
-        return internals.cpu_tile_keys(layout, np.dtype(dtype), block_k)
+        layout = SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim, dtype=np.dtype(dtype))
+        return internals.cpu_tile_keys(layout, np.dtype(np.float32), block_k)
 
     assert tile(8, 128, np.float32) == 128  # rows of 4 KiB
     assert tile(1, 64, np.float32) == 1024  # 256 B: 1024 keys of 256 KiB
@@ -461,6 +461,7 @@ def test_cpu_tiles_of_short_rows_are_longer():
     assert tile(1, 1, np.float32) == 128 * MAX_TILE_MULTIPLE
     assert tile(1, 1, np.float32, block_k=4) == 4 * MAX_TILE_MULTIPLE
     assert tile(1, 64, np.float32, block_k=TILE_BYTES) == TILE_BYTES
+    assert tile(8, 128, np.int8) == 256  # counted in stored bytes: rows of 1 KiB
 
 
 @pytest.mark.parametrize("dtype", FLOAT32_FAST)
@@ -661,10 +662,10 @@ def test_errors_write_nothing(rng):
         decode_attention(q, k, v, out=np.zeros((2, 8, 4), np.float32).transpose(0, 2, 1))
     with pytest.raises(ValueError, match="q must be 3-d"):
         decode_attention(q[:, None], k, v, out=out)
-    with pytest.raises(TypeError, match="q must be float32 or float64"):
+    with pytest.raises(TypeError, match="q must be float64, float32, float16 or bfloat16"):
         decode_attention(q.astype(np.int32), k, v)
-    with pytest.raises(TypeError, match="dtype float32"):
-        decode_attention(q, k.blocks.astype(np.float64), v.blocks.astype(np.float64))
+    with pytest.raises(TypeError, match="same dtype"):
+        decode_attention(q, k.blocks, v.blocks.astype(np.float64))
     with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
         decode_attention(q[:, :3], k, v)
     with pytest.raises(ValueError, match="head dimension"):

@@ -29,7 +29,7 @@ def test_resolve_cache_addresses_every_token(kind, rng):
     kb, vb, tk, tv, table = make_cache(rng, kind, lengths + new, 2, 3, np.float32, page_size=4)
     cls = numattn.PagedKVCache if kind == "paged" else numattn.ContinuousBatchingKVCache
     k, v = cls(kb, lengths, table), cls(vb, lengths, table)
-    layout = resolve_kv(k, v, batch=4, dtype=F32, kv_lens=new)
+    layout = resolve_kv(k, v, batch=4, kv_lens=new)
     assert layout.num_keys.tolist() == (lengths + new).tolist()
     for b in range(4):
         n = int(layout.num_keys[b])
@@ -39,16 +39,16 @@ def test_resolve_cache_addresses_every_token(kind, rng):
 
 def test_resolve_dense_and_ragged(rng):
     k = rng.standard_normal((3, 7, 2, 4)).astype(np.float32)
-    layout = resolve_kv(k, k.copy(), batch=3, dtype=F32)
+    layout = resolve_kv(k, k.copy(), batch=3)
     assert layout.num_keys.tolist() == [7, 7, 7]
     assert np.array_equal(_gather(layout, layout.k_blocks, 2, 7), k[2])
     rows = rng.standard_normal((9, 2, 4)).astype(np.float32)
     offsets = np.array([0, 4, 4, 9], dtype=np.uint32)
-    layout = resolve_kv(rows, rows, batch=3, dtype=F32, kv_offsets=offsets)
+    layout = resolve_kv(rows, rows, batch=3, kv_offsets=offsets)
     assert layout.num_keys.tolist() == [4, 0, 5]
     assert np.array_equal(_gather(layout, layout.k_blocks, 2, 5), rows[4:9])
     empty = np.zeros((0, 2, 4), np.float32)
-    layout = resolve_kv(empty, empty, batch=2, dtype=F32, kv_offsets=[0, 0, 0])
+    layout = resolve_kv(empty, empty, batch=2, kv_offsets=[0, 0, 0])
     assert layout.page_size == 1 and layout.num_keys.tolist() == [0, 0]
 
 
@@ -56,7 +56,7 @@ def test_spare_table_entries_may_hold_sentinels(rng):
     kb, _, _, _, table = make_cache(rng, "paged", [5, 1], 1, 2, np.float32, page_size=4)
     table[0, 2:] = -7  # unused by a sequence of 5 tokens
     cache = numattn.PagedKVCache(kb, np.array([5, 1]), table)
-    layout = resolve_kv(cache, cache, batch=2, dtype=F32)
+    layout = resolve_kv(cache, cache, batch=2)
     assert layout.lookup_table.min() >= 0
     assert layout.lookup_table.max() < kb.shape[0]
 
@@ -67,32 +67,34 @@ def test_paged_index_errors(rng):
     bad[0, 1] = kb.shape[0]  # used by token 4
     cache = numattn.PagedKVCache(kb, np.array([5, 1]), bad)
     with pytest.raises(ValueError, match=r"lookup_table\[0, 1\]"):
-        resolve_kv(cache, cache, batch=2, dtype=F32)
+        resolve_kv(cache, cache, batch=2)
     bad[0, 1] = -1
     with pytest.raises(ValueError, match="out of range"):
-        resolve_kv(cache, cache, batch=2, dtype=F32)
+        resolve_kv(cache, cache, batch=2)
     cache = numattn.PagedKVCache(kb, np.array([5, 1]), table)
     with pytest.raises(ValueError, match="holds 3 pages of 4"):
-        resolve_kv(cache, cache, batch=2, dtype=F32, kv_lens=np.array([8, 0]))
+        resolve_kv(cache, cache, batch=2, kv_lens=np.array([8, 0]))
     with pytest.raises(ValueError, match="2 sequences"):
-        resolve_kv(cache, cache, batch=3, dtype=F32)
-    with pytest.raises(TypeError, match="queries' dtype float64"):
-        resolve_kv(cache, cache, batch=2, dtype=np.dtype(np.float64))
+        resolve_kv(cache, cache, batch=3)
+    other = type(cache)(cache.blocks.astype(np.float16), cache.cache_lengths,
+                        cache.lookup_table)
+    with pytest.raises(TypeError, match="same dtype"):
+        resolve_kv(cache, other, batch=2)
 
 
 def test_continuous_index_errors(rng):
     kb, _, _, _, table = make_cache(rng, "continuous", [4, 2], 1, 2, np.float32)
     cache = numattn.ContinuousBatchingKVCache(kb, np.array([4, 2]), table)
     with pytest.raises(ValueError, match="max_seq_len"):
-        resolve_kv(cache, cache, batch=2, dtype=F32, kv_lens=np.array([kb.shape[1], 0]))
+        resolve_kv(cache, cache, batch=2, kv_lens=np.array([kb.shape[1], 0]))
     bad = table.copy()
     bad[1] = kb.shape[0]
     cache = numattn.ContinuousBatchingKVCache(kb, np.array([4, 2]), bad)
     with pytest.raises(ValueError, match=r"lookup_table\[1\]"):
-        resolve_kv(cache, cache, batch=2, dtype=F32)
+        resolve_kv(cache, cache, batch=2)
     # a sequence with no tokens may hold any block index
     cache = numattn.ContinuousBatchingKVCache(kb, np.array([4, 0]), bad)
-    resolve_kv(cache, cache, batch=2, dtype=F32)
+    resolve_kv(cache, cache, batch=2)
 
 
 def test_k_and_v_must_agree(rng):
@@ -100,26 +102,26 @@ def test_k_and_v_must_agree(rng):
     k = numattn.PagedKVCache(kb, np.array([5, 1]), table)
     v = numattn.PagedKVCache(vb, np.array([4, 1]), table)
     with pytest.raises(ValueError, match="share cache_lengths"):
-        resolve_kv(k, v, batch=2, dtype=F32)
+        resolve_kv(k, v, batch=2)
     v = numattn.PagedKVCache(vb, np.array([5, 1]), table[::-1].copy())
     with pytest.raises(ValueError, match="share lookup_table"):
-        resolve_kv(k, v, batch=2, dtype=F32)
+        resolve_kv(k, v, batch=2)
     with pytest.raises(TypeError, match="same kind"):
-        resolve_kv(k, kb, batch=2, dtype=F32)
+        resolve_kv(k, kb, batch=2)
     with pytest.raises(ValueError, match="same shape"):
-        resolve_kv(kb, kb[:, :2], batch=2, dtype=F32)
+        resolve_kv(kb, kb[:, :2], batch=2)
     dense = rng.standard_normal((2, 3, 1, 2)).astype(np.float32)
     with pytest.raises(ValueError, match="B=3"):
-        resolve_kv(dense, dense, batch=3, dtype=F32)
+        resolve_kv(dense, dense, batch=3)
     with pytest.raises(ValueError, match="need row offsets"):
-        resolve_kv(dense[0], dense[0], batch=1, dtype=F32)
+        resolve_kv(dense[0], dense[0], batch=1)
 
 
 def test_cache_constructor_checks():
     blocks = np.zeros((2, 4, 1, 3), np.float32)
     with pytest.raises(ValueError, match="4-d"):
         numattn.PagedKVCache(blocks[0], np.array([1]), np.zeros((1, 1), int))
-    with pytest.raises(TypeError, match="float32 or float64"):
+    with pytest.raises(TypeError, match="float64, float32, float16, bfloat16, float8"):
         numattn.PagedKVCache(blocks.astype(np.int32), np.array([1]), np.zeros((1, 1), int))
     with pytest.raises(ValueError, match=">= 0"):
         numattn.PagedKVCache(blocks, np.array([-1]), np.zeros((1, 1), int))
@@ -144,7 +146,7 @@ def test_store_kv_writes_after_cached_tokens(kind, rng):
     rows = np.concatenate([tk[b][lengths[b]:] for b in range(3)]) * 2 + 1
     offsets = np.concatenate([[0], np.cumsum(new)])
     assert numattn.store_kv(cache, rows, offsets) is cache
-    layout = resolve_kv(cache, cache, batch=3, dtype=F32, kv_lens=new)
+    layout = resolve_kv(cache, cache, batch=3, kv_lens=new)
     for b in range(3):
         got = _gather(layout, kb, b, int(layout.num_keys[b]))
         assert np.array_equal(got[: lengths[b]], tk[b][: lengths[b]])
@@ -163,8 +165,10 @@ def test_store_kv_validates_before_writing(rng):
         numattn.store_kv(cache, rows, [0, 1, 2])
     with pytest.raises(ValueError, match="non-decreasing"):
         numattn.store_kv(cache, rows, [0, 5, 3])
-    with pytest.raises(TypeError, match="dtype float32"):
-        numattn.store_kv(cache, rows.astype(np.float64), [0, 4, 9])
+    with pytest.raises(TypeError, match="new_rows must be of a float dtype"):
+        numattn.store_kv(cache, rows.astype(np.int8), [0, 4, 9])
+    with pytest.raises(TypeError, match="new_rows must be float64"):
+        numattn.store_kv(cache, rows.astype(np.int32), [0, 4, 9])
     with pytest.raises(ValueError, match="Hkv=1, D=2"):
         numattn.store_kv(cache, np.ones((9, 2, 2), np.float32), [0, 4, 9])
     with pytest.raises(TypeError, match="cache must be"):
@@ -234,7 +238,7 @@ def test_table_checks_follow_the_rule_on_random_tables(kind, rng):
         num_keys = lengths + kv_lens
         if np.any(num_keys > capacity):
             with pytest.raises(ValueError, match="needs"):
-                resolve_kv(cache, cache, batch=batch, dtype=F32, kv_lens=kv_lens)
+                resolve_kv(cache, cache, batch=batch, kv_lens=kv_lens)
             continue
         used = np.arange(pages_per_row) * page_size < num_keys[:, None]
         bad = used & ((table < 0) | (table >= num_pages))
@@ -242,9 +246,9 @@ def test_table_checks_follow_the_rule_on_random_tables(kind, rng):
             b, j = np.argwhere(bad)[0]
             where = rf"lookup_table\[{b}, {j}\]" if kind == "paged" else rf"lookup_table\[{b}\]"
             with pytest.raises(ValueError, match=where + " = .* is out of range"):
-                resolve_kv(cache, cache, batch=batch, dtype=F32, kv_lens=kv_lens)
+                resolve_kv(cache, cache, batch=batch, kv_lens=kv_lens)
             continue
-        layout = resolve_kv(cache, cache, batch=batch, dtype=F32, kv_lens=kv_lens)
+        layout = resolve_kv(cache, cache, batch=batch, kv_lens=kv_lens)
         assert layout.num_keys.tolist() == num_keys.tolist()
         assert np.array_equal(layout.lookup_table, np.where(used, table, 0))
 
@@ -284,13 +288,13 @@ def test_capacity_check_cannot_wrap_and_accepts_a_full_cache(kind, rng):
     capacity = cls(kb, np.array([0, 0]), table).capacity
     cache = cls(kb, np.array([capacity, 1]), table)
     # a full cache with no new rows is fine; one more row is not
-    layout = resolve_kv(cache, cache, batch=2, dtype=F32, kv_lens=np.array([0, 0]))
+    layout = resolve_kv(cache, cache, batch=2, kv_lens=np.array([0, 0]))
     assert layout.num_keys.tolist() == [capacity, 1]
     with pytest.raises(ValueError, match=rf"sequence 0 needs {capacity + 1} tokens"):
-        resolve_kv(cache, cache, batch=2, dtype=F32, kv_lens=np.array([1, 0]))
+        resolve_kv(cache, cache, batch=2, kv_lens=np.array([1, 0]))
     # huge new-row counts (e.g. from kv_input_row_offsets) must not wrap either
     with pytest.raises(ValueError, match=rf"sequence 1 needs {HUGE + 1} tokens"):
-        resolve_kv(cache, cache, batch=2, dtype=F32, kv_lens=np.array([0, HUGE]))
+        resolve_kv(cache, cache, batch=2, kv_lens=np.array([0, HUGE]))
 
 
 @pytest.mark.parametrize("as_seq", [list, tuple])
@@ -377,7 +381,7 @@ def _fused_pool(kind, rng):
 def test_fused_pools_are_read_in_place(kind, rng):
     """K and V as slices of a fused pool are read without a copy."""
     pool, fused, _ = _fused_pool(kind, rng)
-    layout = resolve_kv(*fused, batch=2, dtype=np.float64, kv_lens=None if kind == "dense"
+    layout = resolve_kv(*fused, batch=2, kv_lens=None if kind == "dense"
                         else np.ones(2, np.int64))
     assert np.shares_memory(layout.k_blocks, pool) and np.shares_memory(layout.v_blocks, pool)
     assert layout.k_blocks.flags.c_contiguous and not layout.k_blocks.flags.writeable
@@ -454,7 +458,7 @@ def test_k_and_v_with_different_page_strides_are_copied(rng):
     lengths, table = np.array([5]), np.array([[2, 0]])
     k = numattn.PagedKVCache(k_blocks, lengths, table)
     v = numattn.PagedKVCache(v_blocks, lengths, table)
-    layout = resolve_kv(k, v, batch=1, dtype=np.float64, kv_lens=np.ones(1, np.int64))
+    layout = resolve_kv(k, v, batch=1, kv_lens=np.ones(1, np.int64))
     assert not np.shares_memory(layout.k_blocks, pool)
     q = rng.standard_normal((1, 2, 4))
     want = numattn.reference.decode_attention(q, k, v)

@@ -79,11 +79,11 @@ def test_merge_states_errors():
         numattn.merge_states([], [])
     with pytest.raises(ValueError, match="2 outputs but 1"):
         numattn.merge_states([o, o], [x])
-    with pytest.raises(TypeError, match="dtype float32"):
+    with pytest.raises(TypeError, match="dtypes float32 and float32"):
         numattn.merge_states([o, o.astype(np.float64)], [x, x])
     with pytest.raises(ValueError, match=r"lses\[1\] has shape"):
         numattn.merge_states([o, o], [x, np.zeros(3, np.float32)])
-    with pytest.raises(TypeError, match="float32 or float64"):
+    with pytest.raises(TypeError, match="float64, float32, float16 or bfloat16"):
         numattn.merge_states([o.astype(int)], [x.astype(int)])
     with pytest.raises(TypeError, match=r"outs\[1\] must be an array"):
         numattn.merge_states([o, 2], [x, x])

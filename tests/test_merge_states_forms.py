@@ -75,7 +75,8 @@ def test_stacked_forms_are_checked():
         numattn.merge_states(np.zeros((2, 4)), np.array(0.0))
     with pytest.raises(ValueError, match="lses\\[0\\] has shape \\[3\\], expected \\[\\]"):
         numattn.merge_states(np.zeros((2, 4)), np.zeros((2, 3)))
-    with pytest.raises(TypeError, match="outs\\[0\\] and lses\\[0\\] must have dtype float64"):
+    with pytest.raises(TypeError,
+                       match="outs\\[0\\] and lses\\[0\\] must have dtypes float64 and float64"):
         numattn.merge_states(np.zeros((2, 4)), np.zeros(2, np.float32))
     with pytest.raises(ValueError, match="at least one part"):
         numattn.merge_states(np.zeros((0, 4)), np.zeros(0))

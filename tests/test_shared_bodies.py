@@ -186,6 +186,37 @@ def _partition_samples(rng, f):
             for p in range(parts) for block in (1, 16)]
 
 
+#: bit patterns of each 16- and 8-bit format: zeros, subnormals, normals, the largest, inf, NaN
+_PATTERNS = {
+    "bfloat16": (np.uint16, [0x0000, 0x8000, 0x0001, 0x807F, 0x3F80, 0xC0A0, 0x7F7F, 0x7F80,
+                             0xFF80, 0x7FC0]),
+    "float16": (np.int16, [0x0000, -0x8000, 0x0001, 0x03FF, 0x3C00, -0x3B00, 0x7BFF, 0x7C00,
+                           -0x0400, 0x7E00]),
+    "float8_e4m3fn": (np.uint8, [0x00, 0x80, 0x01, 0x07, 0x38, 0xC4, 0x7E, 0x7F, 0xFF]),
+    "float8_e5m2": (np.uint8, [0x00, 0x80, 0x01, 0x03, 0x3C, 0xC1, 0x7B, 0x7C, 0xFC, 0x7D]),
+    "int8": (np.int8, [0, 1, -1, 127, -128]),
+}
+_LAYOUTS = {"bfloat16": (8, 7, False), "float16": (5, 10, False),
+            "float8_e4m3fn": (4, 3, True), "float8_e5m2": (5, 2, False)}
+
+
+def _minifloat_samples(rng, f):
+    return [(int(bits) & 0xFFFF, *_LAYOUTS[name], ) for name, (_, patterns) in _PATTERNS.items()
+            if name in _LAYOUTS for bits in patterns]
+
+
+def _stored_value_samples(rng, f):
+    from numattn.core import dtypes
+
+    like = np.zeros(1, f)
+    samples = [(np.asarray(x, f)[()], dtypes.FORMAT_NATIVE, like) for x in (1.5, -0.0, INF)]
+    for name, (view, patterns) in _PATTERNS.items():
+        samples += [(view(bits), dtypes.storage_format(name if name in ("int8", "float16")
+                                                       else dtypes.ml_dtype(name)), like)
+                    for bits in patterns]
+    return samples
+
+
 #: Sample arguments of every shared body: ``name -> (float_typed, samples(rng, dtype))``;
 #: float-typed bodies are compiled and checked in float32 and float64.
 SAMPLES = {
@@ -208,6 +239,8 @@ SAMPLES = {
     "masks.key_hidden": (True, _key_hidden_samples),
     "paging.kv_page_slot": (False, _page_slot_samples),
     "partitions.partition_bounds": (False, _partition_samples),
+    "storage.minifloat": (False, _minifloat_samples),
+    "storage.stored_value": (True, _stored_value_samples),
 }
 
 

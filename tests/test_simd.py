@@ -13,6 +13,7 @@ import numba
 import numpy as np
 import pytest
 
+from numattn.core import dtypes
 from numattn.kernels.cpu import simd as _simd
 
 from . import internals
@@ -35,6 +36,11 @@ WIDTHS = [16, 32, 64]
 BLOCK_BUILDS = _builds((16, _simd.STREAM_PREFETCH_BYTES), (32, _simd.STREAM_PREFETCH_BYTES),
                        (64, _simd.STREAM_PREFETCH_BYTES), (64, 0))
 DTYPES = [np.float32, np.float64]
+#: (compute dtype, K/V storage dtype name): the native pairs, and float32 reading every
+#: other storage format (in this machine's vector width; :func:`stored_pairs`)
+NATIVE_PAIRS = [(np.float32, "float32"), (np.float64, "float64")]
+STORED_PAIRS = [(np.float32, name) for name in
+                ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8", "float64")]
 HEAD_DIMS = [1, 5, 16, 37, 128]
 GROUPS = [1, 2, 3, 4, 5, 6, 7, 8]  # query heads per KV head in blocks of 4, 2, 1 (7: 4+2+1)
 NUM_KEYS = [1, 3, 4, 7, 12]  # the last block cut short, or not
@@ -51,44 +57,51 @@ def kernels(vector_bytes, prefetch_bytes=_simd.STREAM_PREFETCH_BYTES):
     prefetch = built["prefetch_row"]
     prefetch_head = built["prefetch_head"]
 
+    widen = built["widen_row"]
+
     @numba.njit
-    def all_scores(blocks, group, qs, k_blocks, pages, slots, n, scores):
+    def all_scores(blocks, group, qs, k_blocks, pages, slots, n, scores, kv_format):
         for i in range(0, n, 4):
             prefetch(k_blocks, pages[i], slots[i], 1000)  # more lines than a row has
             for h, rows in blocks:
                 j = h // group
                 if rows == 4:
-                    scores_4(qs, h, k_blocks, j, pages, slots, i, n, scores)
+                    scores_4(qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format)
                 elif rows == 2:
-                    scores_2(qs, h, k_blocks, j, pages, slots, i, n, scores)
+                    scores_2(qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format)
                 else:
-                    scores_1(qs, h, k_blocks, j, pages, slots, i, n, scores)
+                    scores_1(qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format)
 
     @numba.njit
-    def all_values(blocks, group, weights, v_blocks, pages, slots, n, acc):
+    def all_values(blocks, group, weights, v_blocks, pages, slots, n, acc, kv_format):
         for i in range(0, n - n % 4, 4):
             for h, rows in blocks:
                 j = h // group
                 prefetch_head(v_blocks, pages[i + 3], slots[i + 3], j)  # (the flash gather's)
                 if rows == 4:
-                    values_4(weights, h, v_blocks, j, pages, slots, i, acc)
+                    values_4(weights, h, v_blocks, j, pages, slots, i, acc, kv_format)
                 elif rows == 2:
-                    values_2(weights, h, v_blocks, j, pages, slots, i, acc)
+                    values_2(weights, h, v_blocks, j, pages, slots, i, acc, kv_format)
                 else:
-                    values_1(weights, h, v_blocks, j, pages, slots, i, acc)
+                    values_1(weights, h, v_blocks, j, pages, slots, i, acc, kv_format)
 
     @numba.njit
-    def tile_values(blocks, group, weights, v_blocks, pages, slots, n, acc):
+    def tile_values(blocks, group, weights, v_blocks, pages, slots, n, acc, kv_format):
         for h, rows in blocks:
             j = h // group
             if rows == 4:
-                tile_4(weights, h, v_blocks, j, pages, slots, n, acc)
+                tile_4(weights, h, v_blocks, j, pages, slots, n, acc, kv_format)
             elif rows == 2:
-                tile_2(weights, h, v_blocks, j, pages, slots, n, acc)
+                tile_2(weights, h, v_blocks, j, pages, slots, n, acc, kv_format)
             else:
-                tile_1(weights, h, v_blocks, j, pages, slots, n, acc)
+                tile_1(weights, h, v_blocks, j, pages, slots, n, acc, kv_format)
 
-    return all_scores, all_values, tile_values
+    @numba.njit
+    def gather(blocks, pages, slots, j, dest, kv_format):
+        for i in range(pages.shape[0]):
+            widen(blocks, pages[i], slots[i], j, dest, i * blocks.shape[3], kv_format)
+
+    return all_scores, all_values, tile_values, gather
 
 
 def head_blocks(num_heads, group):
@@ -113,70 +126,129 @@ def test_head_blocks(group, sizes):
     assert blocks[:, 0].tolist() == (np.cumsum([0] + sizes * 2)[:-1]).tolist()
 
 
-def problem(rng, group, head_dim, num_keys, dtype):
-    """Query rows, a shuffled pool of K/V rows (NaN in the rows no key uses), and the
-    (page, slot) of each of ``num_keys`` block positions."""
+def problem(rng, group, head_dim, num_keys, dtype, storage=None):
+    """Query rows, a shuffled pool of K/V rows of ``storage`` (NaN in the rows no key uses;
+    int8: extreme values), and the (page, slot) of each of ``num_keys`` block positions.
+    The pool is returned as the kernels read it (:func:`stored`)."""
     kv_heads = 2
-    blocks = randn(rng, (2, 3, 5, kv_heads, head_dim), dtype)
+    storage = np.dtype(dtype).name if storage is None else storage
+    wide = randn(rng, (2, 3, 5, kv_heads, head_dim), np.float32)
+    if storage == "int8":
+        blocks = np.clip(np.rint(wide * 40), -127, 127).astype(np.int8)
+    else:
+        blocks = wide.astype(storage_dtype(storage))
     rows = rng.permutation(15)[:num_keys]
     unused = np.setdiff1d(np.arange(15), rows)
-    blocks[:, unused // 5, unused % 5] = np.nan
+    blocks[:, unused // 5, unused % 5] = -128 if storage == "int8" else np.nan
     qs = randn(rng, (kv_heads * group, head_dim), dtype)
-    return qs, blocks[0], blocks[1], rows // 5, rows % 5
+    return qs, stored(blocks[0]), stored(blocks[1]), rows // 5, rows % 5
 
 
-def cases(rng, dtype, vector_bytes, key_counts):
+def storage_dtype(name):
+    return dtypes.ml_dtype(name) if name in ("bfloat16", "float8_e4m3fn",
+                                                "float8_e5m2") else np.dtype(name)
+
+
+class Stored:
+    """A K/V pool as a kernel reads it (``view``, ``kv_format``) and its values (float64)."""
+
+    def __init__(self, blocks):
+        self.view = dtypes.kernel_view(blocks)
+        self.kv_format = dtypes.storage_format(blocks.dtype)
+        self.values = blocks.astype(np.float64)
+
+
+def stored(blocks):
+    return Stored(blocks)
+
+
+def cases(rng, dtype, vector_bytes, key_counts, storage=None):
     """Every (group, head dim, key count): a problem and a label for failures."""
     for group in GROUPS:
         for head_dim in HEAD_DIMS:
             for n in key_counts:
-                what = f"{vector_bytes}-byte vectors, group {group}, D={head_dim}, n={n}"
-                yield group, n, problem(rng, group, head_dim, n, dtype), what
+                what = (f"{vector_bytes}-byte vectors, {storage} storage, group {group}, "
+                        f"D={head_dim}, n={n}")
+                yield group, n, problem(rng, group, head_dim, n, dtype, storage), what
+
+
+@pytest.mark.parametrize("dtype, storage", NATIVE_PAIRS + STORED_PAIRS)
+def test_widen_row(dtype, storage, rng):
+    """The flash gather's widening copy of rows: exactly the stored values, every bit
+    pattern of the 8-bit formats included (tails masked: nothing past D written)."""
+    gather = kernels(_simd.target_vector_bytes())[3]
+    for head_dim in HEAD_DIMS:
+        _, k_blocks, _, pages, slots = problem(rng, 1, head_dim, 9, dtype, storage)
+        if storage.startswith("float8") or storage == "int8":  # all 256 patterns
+            bits = np.arange(256, dtype=np.uint8)
+            size = k_blocks.view.size
+            k_blocks.view.reshape(-1).view(np.uint8)[:] = np.resize(bits, size)
+            k_blocks.values = k_blocks.view.view(storage_dtype(storage)).astype(np.float64)
+        buffer = np.full(9 * head_dim + 3, np.nan, dtype)
+        gather(k_blocks.view, pages, slots, 1, buffer, k_blocks.kv_format)
+        expected = k_blocks.values[pages, slots, 1].reshape(-1)
+        assert np.array_equal(buffer[:-3], expected.astype(dtype), equal_nan=True), storage
+        assert np.isnan(buffer[-3:]).all()
 
 
 def expected_scores(qs, k_blocks, pages, slots, group):
-    keys = k_blocks[pages, slots].astype(np.float64)  # [n, Hkv, D]
+    keys = k_blocks.values[pages, slots]  # [n, Hkv, D]
     heads = np.arange(qs.shape[0])
     return np.einsum("hd,nhd->hn", qs.astype(np.float64), keys[:, heads // group])
 
 
-@pytest.mark.parametrize("vector_bytes, prefetch_bytes", BLOCK_BUILDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_scores_blocks(vector_bytes, prefetch_bytes, dtype, rng):
-    all_scores, _, _ = kernels(vector_bytes, prefetch_bytes)
+def block_cases():
+    """(vector bytes, bytes ahead, compute dtype, storage): every build in the native pairs,
+    the other storage formats in this machine's widest build."""
+    here = (_simd.target_vector_bytes(), _simd.STREAM_PREFETCH_BYTES)
+    return ([pytest.param(*build.values, *pair, marks=build.marks)
+             for build in BLOCK_BUILDS for pair in NATIVE_PAIRS]
+            + [(*here, *pair) for pair in STORED_PAIRS])
+
+
+@pytest.mark.parametrize("vector_bytes, prefetch_bytes, dtype, storage", block_cases())
+def test_scores_blocks(vector_bytes, prefetch_bytes, dtype, storage, rng):
+    all_scores = kernels(vector_bytes, prefetch_bytes)[0]
     for group, n, (qs, k_blocks, _, pages, slots), what in cases(rng, dtype, vector_bytes,
-                                                                 NUM_KEYS):
+                                                                 NUM_KEYS, storage):
         # a strided view: positions past n, if written, would land in the margin
         buffer = np.full((qs.shape[0], n + 4), np.nan, dtype)
         scores = buffer[:, :n]
-        all_scores(head_blocks(qs.shape[0], group), group, qs, k_blocks, pages, slots, n, scores)
+        all_scores(head_blocks(qs.shape[0], group), group, qs, k_blocks.view, pages, slots, n,
+                   scores, k_blocks.kv_format)
         expected = expected_scores(qs, k_blocks, pages, slots, group)
         assert_close(scores, expected, dtype, what=what)
         assert np.isnan(buffer[:, n:]).all(), what
 
 
-@pytest.mark.parametrize("vector_bytes, prefetch_bytes", BLOCK_BUILDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_values_blocks(vector_bytes, prefetch_bytes, dtype, rng):
-    _, all_values, _ = kernels(vector_bytes, prefetch_bytes)
+@pytest.mark.parametrize("vector_bytes, prefetch_bytes, dtype, storage", block_cases())
+def test_values_blocks(vector_bytes, prefetch_bytes, dtype, storage, rng):
+    all_values = kernels(vector_bytes, prefetch_bytes)[1]
     for group, n, (qs, _, v_blocks, pages, slots), what in cases(rng, dtype, vector_bytes,
-                                                                 (4, 8, 12)):
+                                                                 (4, 8, 12), storage):
         weights = randn(rng, (qs.shape[0], n), dtype)
         acc = randn(rng, qs.shape, dtype)
-        values = v_blocks[pages, slots].astype(np.float64)  # [n, Hkv, D]
+        values = v_blocks.values[pages, slots]  # [n, Hkv, D]
         heads = np.arange(qs.shape[0])
         expected = acc + np.einsum("hn,nhd->hd", weights.astype(np.float64),
                                    values[:, heads // group])
-        all_values(head_blocks(qs.shape[0], group), group, weights, v_blocks, pages, slots, n, acc)
+        all_values(head_blocks(qs.shape[0], group), group, weights, v_blocks.view, pages, slots,
+                   n, acc, v_blocks.kv_format)
         assert_close(acc, expected, dtype, what=what)
 
 
-@pytest.mark.parametrize("vector_bytes", _builds(*((width,) for width in WIDTHS)))
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_values_tiles(vector_bytes, dtype, rng):
+def tile_cases():
+    """(vector bytes, compute dtype, storage): as :func:`block_cases`."""
+    return ([pytest.param(*build.values, *pair, marks=build.marks)
+             for build in _builds(*((width,) for width in WIDTHS)) for pair in NATIVE_PAIRS]
+            + [(_simd.target_vector_bytes(), *pair) for pair in STORED_PAIRS])
+
+
+@pytest.mark.parametrize("vector_bytes, dtype, storage", tile_cases())
+def test_values_tiles(vector_bytes, dtype, storage, rng):
     """The whole-tile sums, for every row short enough for them (tails masked, no element
     past D read or written: the rows no key uses hold NaN, and acc sits in a NaN margin)."""
-    _, _, tile_values = kernels(vector_bytes)
+    tile_values = kernels(vector_bytes)[2]
     tested = 0
     for head_dim in [1, 5, 16, 37, 64, 65]:
         if not _simd.values_tile_fits(head_dim, np.dtype(dtype).itemsize, vector_bytes):
@@ -184,17 +256,18 @@ def test_values_tiles(vector_bytes, dtype, rng):
         for group in GROUPS:
             for n in NUM_KEYS:
                 what = f"{vector_bytes}-byte vectors, group {group}, D={head_dim}, n={n}"
-                qs, _, v_blocks, pages, slots = problem(rng, group, head_dim, n, dtype)
+                qs, _, v_blocks, pages, slots = problem(rng, group, head_dim, n, dtype,
+                                                        storage)
                 weights = randn(rng, (qs.shape[0], n), dtype)
                 buffer = np.full((qs.shape[0], head_dim + 3), np.nan, dtype)
                 acc = buffer[:, :head_dim]
                 acc[...] = randn(rng, qs.shape, dtype)
-                values = v_blocks[pages, slots].astype(np.float64)  # [n, Hkv, D]
+                values = v_blocks.values[pages, slots]  # [n, Hkv, D]
                 heads = np.arange(qs.shape[0])
                 expected = acc + np.einsum("hn,nhd->hd", weights.astype(np.float64),
                                            values[:, heads // group])
-                tile_values(head_blocks(qs.shape[0], group), group, weights, v_blocks, pages,
-                            slots, n, acc)
+                tile_values(head_blocks(qs.shape[0], group), group, weights, v_blocks.view,
+                            pages, slots, n, acc, v_blocks.kv_format)
                 assert_close(acc, expected, dtype, what=what)
                 assert np.isnan(buffer[:, head_dim:]).all(), what
                 tested += 1
@@ -306,25 +379,34 @@ def test_values_tile_fits():
     assert _simd.values_tile_fits(16, 4, 16) and not _simd.values_tile_fits(17, 4, 16)
 
 
-def test_plain_python_definitions_match(rng):
+@pytest.mark.parametrize("dtype, storage", [(np.float64, "float64"), (np.float32, "bfloat16"),
+                                            (np.float32, "float8_e4m3fn"),
+                                            (np.float32, "int8")])
+def test_plain_python_definitions_match(dtype, storage, rng):
     """The NumPy definitions (what runs uncompiled) compute the same blocks."""
     group, n = 4, 7
-    qs, k_blocks, v_blocks, pages, slots = problem(rng, group, 9, n, np.float64)
-    scores = np.full((qs.shape[0], n), np.nan)
+    qs, k_blocks, v_blocks, pages, slots = problem(rng, group, 9, n, dtype, storage)
+    scores = np.full((qs.shape[0], n), np.nan, dtype)
     for i in range(0, n, 4):
         for h in range(0, qs.shape[0], 4):
-            _simd.scores_block_4(qs, h, k_blocks, h // group, pages, slots, i, n, scores)
-    assert_close(scores, expected_scores(qs, k_blocks, pages, slots, group))
-    acc = np.zeros(qs.shape)
+            _simd.scores_block_4(qs, h, k_blocks.view, h // group, pages, slots, i, n, scores,
+                                 k_blocks.kv_format)
+    assert_close(scores, expected_scores(qs, k_blocks, pages, slots, group), dtype)
+    acc = np.zeros(qs.shape, dtype)
     for h in range(0, qs.shape[0], 2):
-        _simd.values_block_2(scores, h, v_blocks, h // group, pages, slots, 0, acc)
-    values = v_blocks[pages[:4], slots[:4]][:, np.arange(qs.shape[0]) // group]
-    assert_close(acc, np.einsum("hn,nhd->hd", scores[:, :4], values))
-    tiled = np.zeros(qs.shape)
+        _simd.values_block_2(scores, h, v_blocks.view, h // group, pages, slots, 0, acc,
+                             v_blocks.kv_format)
+    values = v_blocks.values[pages[:4], slots[:4]][:, np.arange(qs.shape[0]) // group]
+    assert_close(acc, np.einsum("hn,nhd->hd", scores[:, :4], values), dtype)
+    tiled = np.zeros(qs.shape, dtype)
     for h in range(0, qs.shape[0], 4):
-        _simd.values_tile_4(scores, h, v_blocks, h // group, pages, slots, n, tiled)
-    values = v_blocks[pages, slots][:, np.arange(qs.shape[0]) // group]
-    assert_close(tiled, np.einsum("hn,nhd->hd", scores, values))
+        _simd.values_tile_4(scores, h, v_blocks.view, h // group, pages, slots, n, tiled,
+                            v_blocks.kv_format)
+    values = v_blocks.values[pages, slots][:, np.arange(qs.shape[0]) // group]
+    assert_close(tiled, np.einsum("hn,nhd->hd", scores, values), dtype)
+    row = np.full(9, np.nan, dtype)
+    _simd.widen_row(k_blocks.view, pages[0], slots[0], 1, row, 0, k_blocks.kv_format)
+    assert np.array_equal(row, k_blocks.values[pages[0], slots[0], 1].astype(dtype))
 
 
 @pytest.mark.parametrize("num_keys", [1, 3, 4, 9, 128, 130])

@@ -28,11 +28,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .dtypes import is_quantized, kernel_view, storage_format
 from .jit import cpu_jit
 from .validate import (
+    FLOAT_DTYPES,
     INT64_MAX,
     check_array,
-    check_float_dtype,
+    check_kv_dtype,
     check_row_offsets,
     dtype_of,
     host_int_array,
@@ -51,6 +53,23 @@ __all__ = [
 ]
 
 
+def _check_scales(cls, scales, blocks, dtype):
+    """``scales`` of a cache: float32 ``blocks.shape[:3]`` for int8 (required) and float8."""
+    if scales is None:
+        if dtype == np.int8:
+            raise ValueError(f"{cls} of int8 blocks needs scales (float32, shaped "
+                             f"blocks.shape[:3] = {list(shape_of(blocks)[:3])})")
+        return
+    if not is_quantized(dtype):
+        raise ValueError(f"{cls}.scales are for int8 and float8 blocks, not {dtype}")
+    check_array(f"{cls}.scales", scales, ndim=3)
+    if dtype_of(scales) != np.float32:
+        raise TypeError(f"{cls}.scales must be float32, got {dtype_of(scales)}")
+    if tuple(shape_of(scales)) != tuple(shape_of(blocks)[:3]):
+        raise ValueError(f"{cls}.scales must have shape blocks.shape[:3] = "
+                         f"{list(shape_of(blocks)[:3])}, got {list(shape_of(scales))}")
+
+
 class _CacheBase:
     def __post_init__(self):
         cls = type(self).__name__
@@ -60,7 +79,8 @@ class _CacheBase:
                 f"in place, so it is never copied), got {type(self.blocks).__name__}"
             )
         check_array(f"{cls}.blocks", self.blocks, ndim=4)
-        check_float_dtype(f"{cls}.blocks", self.blocks)
+        dtype = check_kv_dtype(f"{cls}.blocks", self.blocks)
+        _check_scales(cls, self.scales, self.blocks, dtype)
         lengths = host_int_array(f"{cls}.cache_lengths", self.cache_lengths)
         if np.any(lengths < 0):
             raise ValueError(f"{cls}.cache_lengths must be >= 0, got min {lengths.min()}")
@@ -106,8 +126,9 @@ class ContinuousBatchingKVCache(_CacheBase):
     Parameters
     ----------
     blocks : ndarray, shape [num_blocks, max_seq_len, Hkv, D]
-        Key (or value) storage, float32 or float64 (a NumPy or CUDA device array, never
-        copied: :func:`store_kv` writes into it).  A view whose blocks are evenly strided,
+        Key (or value) storage in any K/V dtype (float64, float32, float16, bfloat16,
+        float8_e4m3fn, float8_e5m2, int8 with ``scales``): a NumPy or CUDA device array,
+        never copied (:func:`store_kv` writes into it).  A view whose blocks are evenly strided,
         such as the K half of a fused ``[num_blocks, 2, max_seq_len, Hkv, D]`` pool, is read
         in place; other non-contiguous layouts are copied on every call.
     cache_lengths : int array or sequence of ints, shape [B]
@@ -115,11 +136,16 @@ class ContinuousBatchingKVCache(_CacheBase):
         an int64 array; an array is kept as given.
     lookup_table : int array or sequence of ints, shape [B]
         The block of each sequence (a list or tuple is stored as an int64 array).
+    scales : float32 ndarray, shape blocks.shape[:3], optional
+        Quantized storage (int8, or float8 with a scale): one scale per slot and KV head;
+        the value a kernel uses is ``stored * scale``.  Required for int8, optional for
+        float8 (none means 1), refused for other dtypes.  :func:`store_kv` sets them.
 
     Raises
     ------
     TypeError
-        If ``blocks`` is not a float32/float64 array, or the index arguments are not integer.
+        If ``blocks`` is not an array of a K/V dtype, ``scales`` not float32, or the index
+        arguments are not integer.
     ValueError
         If shapes disagree or a cache length is negative.
 
@@ -136,6 +162,7 @@ class ContinuousBatchingKVCache(_CacheBase):
     blocks: np.ndarray
     cache_lengths: np.ndarray
     lookup_table: np.ndarray
+    scales: np.ndarray | None = None
     _table_ndim = 1
 
     @property
@@ -151,8 +178,9 @@ class PagedKVCache(_CacheBase):
     Parameters
     ----------
     blocks : ndarray, shape [num_pages, page_size, Hkv, D]
-        Key (or value) pages, float32 or float64 (a NumPy or CUDA device array, never
-        copied: :func:`store_kv` writes into it).  A view whose pages are evenly strided,
+        Key (or value) pages in any K/V dtype (float64, float32, float16, bfloat16,
+        float8_e4m3fn, float8_e5m2, int8 with ``scales``): a NumPy or CUDA device array,
+        never copied (:func:`store_kv` writes into it).  A view whose pages are evenly strided,
         such as the K half of a fused ``[pages, 2, page_size, Hkv, D]`` pool, is read in
         place; other non-contiguous layouts are copied on every call.
     cache_lengths : int array or sequence of ints, shape [B]
@@ -162,11 +190,16 @@ class PagedKVCache(_CacheBase):
         Page ``j`` of sequence ``b`` is ``blocks[lookup_table[b, j]]``.  Entries that no
         needed token uses may hold any value (a sentinel such as ``num_pages``).  A list or
         tuple is stored as an int64 array.
+    scales : float32 ndarray, shape blocks.shape[:3], optional
+        Quantized storage (int8, or float8 with a scale): one scale per slot and KV head;
+        the value a kernel uses is ``stored * scale``.  Required for int8, optional for
+        float8 (none means 1), refused for other dtypes.  :func:`store_kv` sets them.
 
     Raises
     ------
     TypeError
-        If ``blocks`` is not a float32/float64 array, or the index arguments are not integer.
+        If ``blocks`` is not an array of a K/V dtype, ``scales`` not float32, or the index
+        arguments are not integer.
     ValueError
         If shapes disagree or a cache length is negative.
 
@@ -184,6 +217,7 @@ class PagedKVCache(_CacheBase):
     blocks: np.ndarray
     cache_lengths: np.ndarray
     lookup_table: np.ndarray
+    scales: np.ndarray | None = None
     _table_ndim = 2
 
     @property
@@ -202,28 +236,48 @@ KVCache = (ContinuousBatchingKVCache, PagedKVCache)
 class KVLayout(NamedTuple):
     """K and V of one call, normalised to the paged addressing every kernel uses.
 
-    The first six fields, in this order, are what the kernels take: ``layout[:6]`` is a
+    The first nine fields, in this order, are what the kernels take: ``layout[:9]`` is a
     plain tuple of :class:`numattn.core.problem.PagedKV`'s fields (Numba types a plain
     tuple in C, a NamedTuple in Python, slower at every call).
     """
 
-    k_blocks: object  # [pages, page_size, Hkv, D], host or device array
+    k_blocks: object  # [pages, page_size, Hkv, D], host or device: the kernel view (dtypes)
     v_blocks: object
     page_size: int
     lookup_table: np.ndarray  # int64 [B, max_pages]
     row_base: np.ndarray  # int64 [B]
     num_keys: np.ndarray  # int64 [B]: keys each sequence attends over
+    k_scales: object  # float32 [pages, page_size, Hkv], or [0, 0, 0] without scales
+    v_scales: object
+    kv_format: int  # numattn.core.dtypes.FORMAT_*
     cache_lengths: np.ndarray  # int64 [B]: tokens before this step (0 for plain arrays)
     num_kv_heads: int
     head_dim: int
     max_keys: int  # num_keys.max() (0 for no sequence)
     total_keys: int  # num_keys.sum()
     page_step: int  # lookup_table holds the caller's page p as p * page_step (_page_view)
+    dtype: np.dtype  # K and V's stored dtype
 
-    def with_storage(self, k_blocks, v_blocks):
-        """The same addressing over another layer's pages (of the same shape and page step,
-        as :func:`kv_storage` gives them)."""
-        return KVLayout(k_blocks, v_blocks, *self[2:])
+    def with_storage(self, storage):
+        """The same addressing over another layer's :class:`KVStorage` (of the same shape,
+        dtype and page step, as :func:`kv_storage` gives them)."""
+        return KVLayout(storage.k_pages, storage.v_pages, *self[2:6], storage.k_scales,
+                        storage.v_scales, *self[8:])
+
+
+class KVStorage(NamedTuple):
+    """What :func:`kv_storage` gives: the pages as kernels read them and their scales."""
+
+    k_pages: object
+    v_pages: object
+    k_scales: object
+    v_scales: object
+    step: int
+
+
+#: Scales of storage without them.
+NO_SCALES = np.ones((0, 0, 0), dtype=np.float32)
+NO_SCALES.flags.writeable = False
 
 
 def _contiguous(x):
@@ -281,7 +335,7 @@ def _check_pair(k, v):
         raise ValueError(f"k and v must have the same shape, got {list(ks)} and {list(vs)}")
 
 
-def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
+def resolve_kv(k, v, *, batch, kv_lens=None, kv_offsets=None):
     """Validate K/V and describe them as a :class:`KVLayout`.
 
     Parameters
@@ -289,8 +343,6 @@ def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
     k, v : cache objects, dense ``[B, N, Hkv, D]`` or ragged ``[T, Hkv, D]`` arrays
     batch : int
         Number of sequences B.
-    dtype : numpy dtype
-        The queries' dtype, which K and V must share.
     kv_lens : int64 array [B] or None
         New K/V rows of this step per sequence (cache inputs), so that
         ``num_keys = cache_lengths + kv_lens``.  ``None`` means 0.
@@ -300,20 +352,19 @@ def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
     """
     _check_pair(k, v)
     if isinstance(k, KVCache):
-        return resolve_cache(k, v, batch=batch, dtype=dtype, kv_lens=kv_lens)
-    for name, x in (("k", k), ("v", v)):
-        if dtype_of(x) != dtype:
-            raise TypeError(f"{name} must have the queries' dtype {dtype}, got {dtype_of(x)}")
-    k_pages, v_pages, step = kv_storage(k, v)
+        return resolve_cache(k, v, batch=batch, kv_lens=kv_lens)
+    dtype = _check_kv_dtypes(k, v, plain=True)
+    storage = kv_storage(k, v)
+    step = storage.step
     if len(k.shape) == 4:
         b, n, hkv, d = shape_of(k)
         if b != batch:
             raise ValueError(f"k must have shape [B={batch}, N, Hkv, D], got {list(shape_of(k))}")
         table = (np.arange(batch, dtype=np.int64) * step).reshape(batch, 1)
         return KVLayout(
-            k_pages, v_pages, max(n, 1), table, np.zeros(batch, np.int64),
-            np.full(batch, n, np.int64), np.zeros(batch, np.int64), hkv, d, n if batch else 0,
-            batch * n, step,
+            storage.k_pages, storage.v_pages, max(n, 1), table, np.zeros(batch, np.int64),
+            np.full(batch, n, np.int64), NO_SCALES, NO_SCALES, storage_format(dtype),
+            np.zeros(batch, np.int64), hkv, d, n if batch else 0, batch * n, step, dtype,
         )
     t, hkv, d = shape_of(k)
     if kv_offsets is None:
@@ -323,16 +374,18 @@ def resolve_kv(k, v, *, batch, dtype, kv_lens=None, kv_offsets=None):
     table = np.zeros((batch, 1), dtype=np.int64)
     num_keys = row_counts(kv_offsets)
     return KVLayout(
-        k_pages, v_pages, max(t, 1), table, kv_offsets[:-1].copy(), num_keys,
-        np.zeros(batch, np.int64), hkv, d, int(num_keys.max(initial=0)),
-        int(kv_offsets[-1] - kv_offsets[0]), 1,
+        storage.k_pages, storage.v_pages, max(t, 1), table, kv_offsets[:-1].copy(), num_keys,
+        NO_SCALES, NO_SCALES, storage_format(dtype), np.zeros(batch, np.int64), hkv, d,
+        int(num_keys.max(initial=0)), int(kv_offsets[-1] - kv_offsets[0]), 1, dtype,
     )
 
 
 def kv_storage(k, v):
-    """``(k_pages, v_pages, page_step)``: the 4-d pages the kernels read for K and V of any
-    kind (a cache's blocks, a dense ``[B, N, Hkv, D]`` array, or ragged ``[T, Hkv, D]`` rows as
-    one page of ``T`` slots), sharing their memory where it can (:func:`_paged_views`).
+    """The :class:`KVStorage` of K and V of any kind (a cache's blocks, a dense
+    ``[B, N, Hkv, D]`` array, or ragged ``[T, Hkv, D]`` rows as one page of ``T`` slots): the
+    4-d pages the kernels read, as kernel views of their bits
+    (:func:`numattn.core.dtypes.kernel_view`), sharing their memory where they can
+    (:func:`_paged_views`), and a cache's scales.
 
     :func:`resolve_kv` takes its pages from here, and so does a plan for each layer's K/V.
     Shapes and dtypes are not checked here.
@@ -340,20 +393,51 @@ def kv_storage(k, v):
     k_blocks, v_blocks = (k.blocks, v.blocks) if isinstance(k, KVCache) else (k, v)
     if (type(k_blocks) is np.ndarray and type(v_blocks) is np.ndarray and k_blocks.ndim == 4
             and k_blocks.flags.c_contiguous and v_blocks.flags.c_contiguous):
-        return k_blocks, v_blocks, 1  # the common case, in a few operations
-    if isinstance(k, KVCache) or len(k.shape) == 4:
-        return _paged_views(k_blocks, v_blocks)
-    t, hkv, d = shape_of(k)
-    return _contiguous(k).reshape(1, t, hkv, d), _contiguous(v).reshape(1, t, hkv, d), 1
+        k_pages, v_pages, step = k_blocks, v_blocks, 1  # the common case
+    elif isinstance(k, KVCache) or len(k.shape) == 4:
+        k_pages, v_pages, step = _paged_views(k_blocks, v_blocks)
+    else:
+        t, hkv, d = shape_of(k)
+        k_pages = _contiguous(k).reshape(1, t, hkv, d)
+        v_pages = _contiguous(v).reshape(1, t, hkv, d)
+        step = 1
+    if dtype_of(k_pages) not in FLOAT_DTYPES:
+        k_pages, v_pages = kernel_view(k_pages), kernel_view(v_pages)
+    k_scales = v_scales = NO_SCALES
+    if isinstance(k, KVCache) and k.scales is not None:
+        k_scales, v_scales = _paged_scales(k.scales, step), _paged_scales(v.scales, step)
+    return KVStorage(k_pages, v_pages, k_scales, v_scales, step)
 
 
-def resolve_cache(k, v, *, batch, dtype, kv_lens):
+def _paged_scales(scales, step):
+    """Scales for pages seen with a page step (:func:`_page_view`): page ``p * step``."""
+    if not isinstance(scales, np.ndarray):
+        return scales  # a device array
+    scales = np.ascontiguousarray(scales)
+    if step == 1:
+        return scales
+    spread = np.zeros(((scales.shape[0] - 1) * step + 1, *scales.shape[1:]), np.float32)
+    spread[::step] = scales
+    return spread
+
+
+def _check_kv_dtypes(k_blocks, v_blocks, plain):
+    """K and V's stored dtype (the same for both); int8 only in a cache (with scales)."""
+    k_dtype = check_kv_dtype("k", k_blocks)
+    v_dtype = check_kv_dtype("v", v_blocks)
+    if k_dtype != v_dtype:
+        raise TypeError(f"k and v must have the same dtype, got {k_dtype} and {v_dtype}")
+    if plain and k_dtype == np.int8:
+        raise TypeError("int8 k and v need scales: hold them in a cache object "
+                        "(PagedKVCache or ContinuousBatchingKVCache with scales=)")
+    return k_dtype
+
+
+def resolve_cache(k, v, *, batch, kv_lens):
     cls = type(k).__name__
-    for name, c in (("k", k), ("v", v)):
-        if dtype_of(c.blocks) != dtype:
-            raise TypeError(
-                f"{name}.blocks must have the queries' dtype {dtype}, got {dtype_of(c.blocks)}"
-            )
+    dtype = _check_kv_dtypes(k.blocks, v.blocks, plain=False)
+    if (k.scales is None) != (v.scales is None):
+        raise ValueError("k and v caches must both have scales or both have none")
     lengths = host_int_array(f"{cls}.cache_lengths", k.cache_lengths)
     table = host_int_array(f"{cls}.lookup_table", k.lookup_table, ndim=k._table_ndim)
     if k.cache_lengths is not v.cache_lengths and not np.array_equal(
@@ -376,7 +460,8 @@ def resolve_cache(k, v, *, batch, dtype, kv_lens):
         capacity = min(table.shape[1] * page_size, INT64_MAX)
     # The constructor checked cache_lengths, but callers update it in place between steps.
     kv_lens = np.zeros(batch, np.int64) if kv_lens is None else kv_lens
-    k_pages, v_pages, step = kv_storage(k, v)
+    storage = kv_storage(k, v)
+    step = storage.step
     if table.shape[0] != batch:  # fixed at construction; checked again before reading it
         raise ValueError(f"{cls}.lookup_table has {table.shape[0]} rows for {batch} sequences")
     table_2d = table if table.ndim == 2 else table.reshape(batch, 1)
@@ -408,8 +493,9 @@ def resolve_cache(k, v, *, batch, dtype, kv_lens):
             f"sequence {b} uses that page"
         )
     return KVLayout(
-        k_pages, v_pages, max(page_size, 1), kernel_table, _zeros(batch), num_keys,
-        lengths, hkv, d, max_keys, total_keys, step,
+        storage.k_pages, storage.v_pages, max(page_size, 1), kernel_table, _zeros(batch),
+        num_keys, storage.k_scales, storage.v_scales, storage_format(dtype), lengths, hkv, d,
+        max_keys, total_keys, step, dtype,
     )
 
 
@@ -482,7 +568,9 @@ class PlannedKV:
         storage = k.blocks if self.is_cache else k
         self.shape = tuple(shape_of(storage))
         self.dtype = dtype_of(storage)
-        self.layout = layout.with_storage(None, None)
+        self.scaled = self.is_cache and k.scales is not None
+        self.native = self.dtype in FLOAT_DTYPES and not self.scaled  # read as given
+        self.layout = layout.with_storage(KVStorage(None, None, None, None, layout.page_step))
         # whether contiguous storage is read as it is (not ragged rows, nor pages of a pool)
         self.pages_as_given = len(self.shape) == 4 and layout.page_step == 1
         self.lengths = self.table = None
@@ -517,14 +605,17 @@ class PlannedKV:
                     and v_blocks.shape == self.shape and k_blocks.dtype == self.dtype
                     and v_blocks.dtype == self.dtype and k_blocks.flags.c_contiguous
                     and v_blocks.flags.c_contiguous):
-                return self.layout.with_storage(k_blocks, v_blocks)
+                if self.native:
+                    return self.layout.with_storage(
+                        KVStorage(k_blocks, v_blocks, NO_SCALES, NO_SCALES, 1))
+                return self.layout.with_storage(kv_storage(k, v))
         for name, x in (("k", k), ("v", v)):
             self._check(name, x)
-        k_pages, v_pages, step = kv_storage(k, v)
-        if step != self.layout.page_step:
+        storage = kv_storage(k, v)
+        if storage.step != self.layout.page_step:
             raise ValueError("k and v pages are laid out with another page stride than the "
                              "plan's: make a plan for this layout")
-        return self.layout.with_storage(k_pages, v_pages)
+        return self.layout.with_storage(storage)
 
     def _check(self, name, x):
         """Refuse a K or V that is not what the plan was made for."""
@@ -538,6 +629,9 @@ class PlannedKV:
             raise ValueError(
                 f"{what} must have the plan's shape {list(self.shape)} and dtype "
                 f"{self.dtype}, got {list(shape_of(storage))} and {dtype}")
+        if self.is_cache and (x.scales is not None) != self.scaled:
+            raise ValueError(f"{name} must {'have' if self.scaled else 'have no'} scales, as "
+                             f"the plan's {name} had")
         if self.is_cache:
             for attribute, planned in (("cache_lengths", self.lengths),
                                        ("lookup_table", self.table)):

@@ -664,7 +664,7 @@ def _leaf_program(mask):
 
 
 def additive_4d(tensor, *, batch, num_heads, max_q_len, max_keys, dtype, name="mask",
-                exact_rows=False):
+                exact_rows=False, q_dtype=None):
     """Validate an additive mask tensor and view it as ``[Bm, Hm, Sm, Nm]`` for the kernels.
 
     ``[S, N]`` becomes ``[1, 1, S, N]`` and ``[B, S, N]`` becomes ``[B, 1, S, N]``; kernels
@@ -673,14 +673,17 @@ def additive_4d(tensor, *, batch, num_heads, max_q_len, max_keys, dtype, name="m
     must cover every local query row (``max_q_len``) and key position (``max_keys``);
     with ``exact_rows`` (padded queries, decode) it must have exactly ``max_q_len``
     rows, so that a tensor laid out otherwise (one row per sequence or per token) is not
-    read as rows it is not.
+    read as rows it is not.  ``dtype`` is the compute dtype; a host tensor of the queries'
+    ``q_dtype`` (16-bit queries) is widened to it.
     """
     if tensor is None:
         return np.zeros((1, 1, 1, 1), dtype=dtype)
     shape = shape_of(tensor)
-    if dtype_of(tensor) != np.dtype(dtype):
+    q_dtype = np.dtype(dtype) if q_dtype is None else np.dtype(q_dtype)
+    if dtype_of(tensor) not in (np.dtype(dtype), q_dtype):
+        want = " or ".join(sorted({str(np.dtype(dtype)), str(q_dtype)}))
         raise TypeError(
-            f"{name}: the additive mask tensor must have the queries' dtype {np.dtype(dtype)}, "
+            f"{name}: the additive mask tensor must have the queries' dtype {want}, "
             f"got {dtype_of(tensor)}"
         )
     if len(shape) == 2:
@@ -715,5 +718,5 @@ def additive_4d(tensor, *, batch, num_heads, max_q_len, max_keys, dtype, name="m
             f"{max_keys} keys, got shape {list(shape)}"
         )
     if isinstance(tensor, np.ndarray):
-        tensor = np.ascontiguousarray(tensor)
+        tensor = np.ascontiguousarray(tensor, dtype=dtype)
     return tensor

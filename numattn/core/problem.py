@@ -25,17 +25,19 @@ import numpy as np
 
 from .config import MHAConfig, resolve_config
 from .device import is_device_array, require_cuda, resolve_device
+from .dtypes import Q_DTYPE_NAMES, compute_dtype, lse_dtype
 from .kv_cache import KVCache, KVLayout, resolve_kv
 from .masks import additive_4d, compile_mask
 from .validate import (
     check_array,
-    check_float_dtype,
     check_heads,
     check_no_overlap,
     check_out,
+    check_q_dtype,
     check_row_offsets,
     check_scale,
     check_sink_weights,
+    dtype_of,
     host_int_array,
     row_counts,
     same_elements,
@@ -52,8 +54,10 @@ __all__ = [
     "SoftmaxArgs",
     "attention_problem",
     "attention_step",
+    "finish_result",
     "layer_problem",
     "on_host",
+    "plan_q_dtype",
 ]
 
 
@@ -71,14 +75,18 @@ class QueryRows(NamedTuple):
 
 class PagedKV(NamedTuple):
     """K/V in the paged addressing of :func:`numattn.kernels.shared.paging.kv_page_slot`
-    (the first fields of a :class:`~numattn.core.kv_cache.KVLayout`)."""
+    (the first fields of a :class:`~numattn.core.kv_cache.KVLayout`), in their stored
+    format (:mod:`numattn.core.dtypes`)."""
 
-    k_blocks: object  # [pages, page_size, Hkv, D]
+    k_blocks: object  # [pages, page_size, Hkv, D]: kernel views
     v_blocks: object
     page_size: int
     lookup_table: np.ndarray  # int64 [B, max_pages]
     row_base: np.ndarray  # int64 [B]
     num_keys: np.ndarray  # int64 [B]
+    k_scales: object  # float32 [pages, page_size, Hkv], or [0, 0, 0]: none
+    v_scales: object
+    kv_format: int  # FORMAT_*
 
 
 class MaskArgs(NamedTuple):
@@ -127,8 +135,9 @@ class AttentionStep(NamedTuple):
     mask: MaskArgs
     mask_heads: int  # H of a [B, H, S, N] additive tensor, checked per layer; else 0
     config: MHAConfig
-    dtype: np.dtype  # of the queries, K and V
+    dtype: np.dtype  # the compute dtype (numattn.core.dtypes.compute_dtype)
     rules: OperationRules
+    q_dtype: np.dtype  # the queries' (and the result's)
 
 
 class AttentionProblem(NamedTuple):
@@ -145,10 +154,12 @@ class AttentionProblem(NamedTuple):
     mask: MaskArgs
     softmax: SoftmaxArgs
     config: MHAConfig
-    out: object
+    out: object  # written by the kernels: the caller's out when of the compute dtype
     out_shape: tuple  # the result's shape: q's
     return_lse: bool
     device: str  # "cpu" or "cuda"
+    result_dtype: np.dtype  # q's (the kernels compute in q.dtype, the compute dtype)
+    final_out: object  # the caller's out of another dtype than the compute dtype, or None
 
     # The parts' fields by name, for the drivers.
     q = property(lambda self: self.queries.q)
@@ -210,7 +221,7 @@ def attention_problem(q, k, v, mask, scale, *, rules, q_offsets=None, kv_offsets
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     ragged = q_offsets is not None
     check_array("q", q, ndim=3 if ragged or one_row else 4)
-    dtype = check_float_dtype("q", q)
+    dtype = check_q_dtype("q", q)
     q_shape = shape_of(q)
     num_heads, head_dim = q_shape[-2:]
     if head_dim < 1:
@@ -261,8 +272,10 @@ def attention_step(k, v, program, tensor, *, q_offsets, q_lens, max_q_len, kv_of
     :func:`layer_problem`).
     """
     batch = q_offsets.shape[0] - 1
-    layout = _resolve_kv(k, v, batch=batch, dtype=dtype, q_offsets=q_offsets, q_lens=q_lens,
+    layout = _resolve_kv(k, v, batch=batch, q_offsets=q_offsets, q_lens=q_lens,
                          kv_offsets=kv_offsets, ragged=ragged, rules=rules)
+    q_dtype = dtype
+    dtype = compute_dtype(q_dtype, layout.dtype)
     mask_heads = 0
     if num_heads is None and tensor is not None and len(shape_of(tensor)) == 4:
         num_heads = mask_heads = shape_of(tensor)[1]
@@ -270,14 +283,15 @@ def attention_step(k, v, program, tensor, *, q_offsets, q_lens, max_q_len, kv_of
         additive = _no_additive(dtype)
     else:
         additive = additive_4d(tensor, batch=batch, num_heads=num_heads, max_q_len=max_q_len,
-                               max_keys=layout.max_keys, dtype=dtype, exact_rows=not ragged)
+                               max_keys=layout.max_keys, dtype=dtype, exact_rows=not ragged,
+                               q_dtype=q_dtype)
     if rules.queries_at_start:
         q_start_pos = np.zeros(batch, dtype=np.int64)
     else:
         q_start_pos = layout.num_keys - q_lens
     return AttentionStep(q_offsets, q_start_pos, max_q_len, layout,
                          MaskArgs(program, additive, tensor is not None), mask_heads, config,
-                         dtype, rules)
+                         dtype, rules, q_dtype)
 
 
 def layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device):
@@ -299,7 +313,15 @@ def layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device)
     scale = _default_scale(head_dim, dtype) if scale is None else dtype.type(
         check_scale(scale, head_dim, dtype))
     sinks = None if sink_weights is None else check_sink_weights(sink_weights, num_heads, dtype)
-    out = check_out(out, q_shape, dtype)
+    out = check_out(out, q_shape, step.q_dtype, or_float32=True)
+    final_out = None
+    if out is not None and dtype_of(out) != dtype:
+        final_out, out = out, None  # the kernels write a result of the compute dtype
+    if device == "cuda" and (layout.dtype != dtype or step.q_dtype != dtype
+                             or final_out is not None):
+        raise TypeError(f"on CUDA, q, K/V and out must be float32 or float64 of one dtype "
+                        f"(got q {step.q_dtype}, K/V {layout.dtype}); 16- and 8-bit storage "
+                        f"runs on the CPU")
     if out is not None:
         if device == "cpu" and not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a NumPy array (this call runs on the CPU), got "
@@ -307,14 +329,37 @@ def layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device)
         if sinks is not None or step.rules.out_may_share != OUT_AFTER_READS:
             _check_out_overlap(out, q, layout, step.mask, sinks, step.rules.out_may_share)
     if device == "cpu":
-        q = np.ascontiguousarray(q)
+        q = np.ascontiguousarray(q, dtype=dtype)  # 16-bit queries: a float32 copy
         if q.ndim == 4:
             q = q.reshape(q_shape[0] * q_shape[1], num_heads, head_dim)
     has_sink = sinks is not None
     softmax = SoftmaxArgs(scale, sinks if has_sink else _no_sinks(num_heads, dtype), has_sink)
     queries = QueryRows(q, step.q_offsets, step.q_start_pos, step.max_q_len)
     return AttentionProblem(queries, layout, step.mask, softmax, step.config, out, q_shape,
-                            bool(return_lse), device)
+                            bool(return_lse), device, step.q_dtype, final_out)
+
+
+def plan_q_dtype(q_dtype, kv_dtype):
+    """The queries' dtype a plan is made for: ``q_dtype`` (checked), or by default K/V's
+    for K/V of a query dtype and float32 for 8-bit K/V."""
+    if q_dtype is not None:
+        return check_q_dtype("q_dtype", np.empty(0, dtype=q_dtype))
+    kv_dtype = np.dtype(kv_dtype)
+    return kv_dtype if kv_dtype.name in Q_DTYPE_NAMES else np.dtype(np.float32)
+
+
+def finish_result(problem, result, lse):
+    """The result as the caller asked for it: of q's dtype (or in the caller's ``out`` of
+    another dtype than the compute dtype, rounded to nearest), the LSE float32 (float64
+    for float64 queries).  Host arrays only (the CUDA kernels read float32/float64)."""
+    if problem.final_out is not None:
+        problem.final_out[...] = result
+        result = problem.final_out
+    elif result.dtype != problem.result_dtype:
+        result = result.astype(problem.result_dtype)
+    if lse is not None and lse.dtype != lse_dtype(problem.result_dtype):
+        lse = lse.astype(lse_dtype(problem.result_dtype))
+    return result, lse
 
 
 # --------------------------------------------------------------------------------------
@@ -385,7 +430,7 @@ def _check_q_max_seq_len(q_max_seq_len, longest_query):
     return int(q_max_seq_len)
 
 
-def _resolve_kv(k, v, *, batch, dtype, q_offsets, q_lens, kv_offsets, ragged, rules):
+def _resolve_kv(k, v, *, batch, q_offsets, q_lens, kv_offsets, ragged, rules):
     """The :class:`KVLayout` of K/V for queries split by ``q_offsets``: ``num_keys(b) =
     cache_len(b) + kv_len(b)``, ``kv_len`` from ``kv_offsets`` (else ``q_lens``); dense
     arrays give ``N`` keys (with ``rules.dense_kv_prefix`` and ``kv_offsets``, the first
@@ -397,9 +442,9 @@ def _resolve_kv(k, v, *, batch, dtype, q_offsets, q_lens, kv_offsets, ragged, ru
                                        "its last entry", batch=batch)
     if isinstance(k, KVCache):
         if batch == 0 and rules.any_cache_when_empty:  # nothing is read
-            return resolve_kv(k, v, batch=k.batch_size, dtype=dtype)
+            return resolve_kv(k, v, batch=k.batch_size)
         kv_lens = q_lens if kv_offsets is None else row_counts(kv_offsets)
-        return resolve_kv(k, v, batch=batch, dtype=dtype, kv_lens=kv_lens)
+        return resolve_kv(k, v, batch=batch, kv_lens=kv_lens)
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, KVCache):
             check_array(name, x)
@@ -412,8 +457,8 @@ def _resolve_kv(k, v, *, batch, dtype, q_offsets, q_lens, kv_offsets, ragged, ru
                 f"ragged k of shape {list(shape_of(k))} needs kv_input_row_offsets (without "
                 f"them the queries' split is used, which covers {offsets[-1]} rows)"
             )
-        return resolve_kv(k, v, batch=batch, dtype=dtype, kv_offsets=offsets)
-    layout = resolve_kv(k, v, batch=batch, dtype=dtype)
+        return resolve_kv(k, v, batch=batch, kv_offsets=offsets)
+    layout = resolve_kv(k, v, batch=batch)
     if kv_offsets is not None:  # dense with ragged queries: the first kv_len(b) rows
         kv_lens = row_counts(kv_offsets)
         n = shape_of(k)[1]

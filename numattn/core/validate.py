@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from .device import is_device_array
+from .dtypes import KV_DTYPE_NAMES, Q_DTYPE_NAMES
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 INT64 = np.dtype(np.int64)
@@ -60,9 +61,28 @@ def check_array(name, x, *, ndim=None, dtype=None):
 
 
 def check_float_dtype(name, x):
+    """float32 or float64 (the dtypes numattn computes in)."""
     dt = x.dtype if type(x) is np.ndarray else dtype_of(x)
     if dt not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32 or float64, got {dt}")
+    return dt
+
+
+def check_q_dtype(name, x):
+    """A dtype queries and outputs may have: float64, float32, float16 or bfloat16."""
+    dt = x.dtype if type(x) is np.ndarray else dtype_of(x)
+    if dt not in FLOAT_DTYPES and dt.name not in Q_DTYPE_NAMES:
+        raise TypeError(f"{name} must be float64, float32, float16 or bfloat16, got {dt}")
+    return dt
+
+
+def check_kv_dtype(name, x):
+    """A dtype K and V may be stored in: those of :func:`check_q_dtype`, float8_e4m3fn,
+    float8_e5m2 or int8."""
+    dt = x.dtype if type(x) is np.ndarray else dtype_of(x)
+    if dt not in FLOAT_DTYPES and dt.name not in KV_DTYPE_NAMES:
+        raise TypeError(f"{name} must be float64, float32, float16, bfloat16, float8_e4m3fn, "
+                        f"float8_e5m2 or int8, got {dt}")
     return dt
 
 
@@ -179,7 +199,7 @@ def check_sink_weights(sink_weights, num_heads, dtype):
         sink_weights = np.asarray(sink_weights, dtype=np.float64)
     sink_weights = to_host(sink_weights)
     check_array("sink_weights", sink_weights, ndim=1)
-    check_float_dtype("sink_weights", sink_weights)
+    check_q_dtype("sink_weights", sink_weights)
     check_shape("sink_weights", sink_weights, (num_heads,), "one logit per query head")
     return np.ascontiguousarray(sink_weights, dtype=dtype)
 
@@ -250,8 +270,9 @@ def check_no_overlap(out, inputs):
             raise ValueError(f"out must not overlap {name}")
 
 
-def check_out(out, shape, dtype, name="out"):
-    """``out=`` must be a C-contiguous array of exactly the result's shape and dtype."""
+def check_out(out, shape, dtype, name="out", *, or_float32=False):
+    """``out=`` must be a C-contiguous array of exactly the result's shape and dtype (or
+    float32, with ``or_float32``)."""
     if out is None:
         return None
     if type(out) is np.ndarray and out.shape == tuple(shape) and out.dtype == dtype:
@@ -261,8 +282,10 @@ def check_out(out, shape, dtype, name="out"):
     check_array(name, out)
     if shape_of(out) != tuple(shape):
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(shape_of(out))}")
-    if dtype_of(out) != np.dtype(dtype):
-        raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {dtype_of(out)}")
+    allowed = {np.dtype(dtype)} | ({np.dtype(np.float32)} if or_float32 else set())
+    if dtype_of(out) not in allowed:
+        want = " or ".join(sorted(str(d) for d in allowed))
+        raise TypeError(f"{name} must have dtype {want}, got {dtype_of(out)}")
     if isinstance(out, np.ndarray):
         if not out.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")

@@ -39,7 +39,7 @@ from ..shared.masks import add_bias, mask_tile_status, mask_visible, visible_spa
 from ..shared.paging import kv_page_slot
 from ..shared.softmax import accumulate, finish_row
 from .schedule import zigzag_schedule
-from .simd import prefetch_head
+from .simd import prefetch_head, widen_row
 from .softmax import softmax_tile
 from .split_k import run_multi_query_cpu
 
@@ -182,7 +182,7 @@ def run_flash_cpu(problem, items=None):
         The result (``problem.out`` when given) and, with ``problem.return_lse``, the LSE
         (else ``None``).
     """
-    queries, layout, mask, softmax, config, out, out_shape, return_lse, _ = problem
+    queries, layout, mask, softmax, config, out, out_shape, return_lse = problem[:8]
     q, q_offsets = queries[0], queries[1]
     dtype = q.dtype
     total, num_heads, head_dim = q.shape
@@ -213,7 +213,7 @@ def run_flash_cpu(problem, items=None):
     # the parts go as plain tuples: Numba types those in C at each call, NamedTuples in Python
     with _blas_single_thread() if parallel else contextlib.nullcontext():
         cpu_jit(_flash_kernel, parallel=parallel)(
-            tuple(queries), schedule, layout[:6], tuple(mask), tuple(softmax), tiling,
+            tuple(queries), schedule, layout[:9], tuple(mask), tuple(softmax), tiling,
             (out_rows, lse_rows, lse is not None),
         )
     return result, lse
@@ -440,7 +440,9 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
     """Compute one work item: ``width`` query rows from ``row0`` of sequence ``b``, one KV head
     (the arguments as :func:`_flash_kernel` takes them)."""
     q, q_offsets, q_start_pos = queries[0], queries[1], queries[2]
-    k_blocks, v_blocks, page_size, lookup_table, row_base, num_keys = kv
+    k_blocks, v_blocks, page_size, lookup_table, row_base, num_keys, k_scales, v_scales, \
+        kv_format = kv
+    has_scales = k_scales.shape[0] > 0
     program, additive, has_additive = mask
     scale, sinks, has_sink = softmax
     group, block_k, sub_q = tiling[0], tiling[2], tiling[3]
@@ -497,11 +499,17 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
                 prefetch_head(v_blocks, pages[ahead], slots[ahead], kv_head)
             page = pages[j]
             slot = slots[j]
-            for d in range(head_dim):
-                k_tile[j * head_dim + d] = k_blocks[page, slot, kv_head, d]
-            for d in range(head_dim):
-                x = v_blocks[page, slot, kv_head, d]
-                v_tile[j * head_dim + d] = x
+            # the rows in the compute dtype, whatever their stored format
+            widen_row(k_blocks, page, slot, kv_head, k_tile, j * head_dim, kv_format)
+            widen_row(v_blocks, page, slot, kv_head, v_tile, j * head_dim, kv_format)
+            if has_scales:
+                k_scale = k_scales[page, slot, kv_head]
+                v_scale = v_scales[page, slot, kv_head]
+                for d in range(j * head_dim, (j + 1) * head_dim):
+                    k_tile[d] *= k_scale
+                    v_tile[d] *= v_scale
+            for d in range(j * head_dim, (j + 1) * head_dim):
+                x = v_tile[d]
                 v_finite &= x - x == zero  # NaN for NaN and inf
         if status == TILE_NONE and not has_additive:
             _tile_step(scratch, head_dim, v_finite, first, width, first, kw, not elementwise,

@@ -56,6 +56,7 @@ import threading
 
 import numpy as np
 
+from ...core.dtypes import FORMAT_BFLOAT16, FORMAT_E4M3, FORMAT_E5M2
 from ...core.jit import before_cpu_compile
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "values_tile_2",
     "values_tile_4",
     "values_tile_fits",
+    "widen_row",
 ]
 
 #: Keys per block: each block function handles four keys (four K or V rows).
@@ -206,11 +208,32 @@ def prefetch_head(blocks, page, slot, head):
     stride through memory and that the hardware prefetcher does not follow."""
 
 
+def widened(rows, kv_format, like):
+    """Stored K/V ``rows`` (a kernel view) as values of ``like``'s dtype (plain NumPy: the
+    definition the compiled block functions widen by)."""
+    from ...core.dtypes import FORMAT_NATIVE, ml_dtype
+
+    if kv_format == FORMAT_NATIVE or rows.dtype == np.int8:
+        return rows.astype(like.dtype)
+    name = {FORMAT_BFLOAT16: "bfloat16", FORMAT_E4M3: "float8_e4m3fn",
+            FORMAT_E5M2: "float8_e5m2"}.get(kv_format)
+    view = rows.view(np.float16) if name is None else rows.view(ml_dtype(name))
+    return view.astype(like.dtype)
+
+
+def widen_row(blocks, page, slot, head, dest, start, kv_format):
+    """``dest[start:start + D] = blocks[page, slot, head]`` widened to ``dest``'s dtype (a
+    row of a kernel view of K or V, in its stored format ``kv_format``): the flash kernel's
+    gather of a tile."""
+    row = blocks[page, slot, head]
+    dest[start:start + row.shape[0]] = widened(row, kv_format, dest)
+
+
 def _scores_block(rows):
-    def scores_block(qs, h, k_blocks, j, pages, slots, i, n, scores):
+    def scores_block(qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format):
         for b in range(BLOCK_KEYS):
             if i + b < n:
-                key_row = k_blocks[pages[i + b], slots[i + b], j]
+                key_row = widened(k_blocks[pages[i + b], slots[i + b], j], kv_format, qs)
                 scores[h:h + rows, i + b] = qs[h:h + rows] @ key_row
 
     scores_block.__name__ = scores_block.__qualname__ = f"scores_block_{rows}"
@@ -223,9 +246,9 @@ def _scores_block(rows):
 
 
 def _values_block(rows):
-    def values_block(weights, h, v_blocks, j, pages, slots, i, acc):
+    def values_block(weights, h, v_blocks, j, pages, slots, i, acc, kv_format):
         for b in range(BLOCK_KEYS):
-            value_row = v_blocks[pages[i + b], slots[i + b], j]
+            value_row = widened(v_blocks[pages[i + b], slots[i + b], j], kv_format, acc)
             acc[h:h + rows] += weights[h:h + rows, i + b, None] * value_row
 
     values_block.__name__ = values_block.__qualname__ = f"values_block_{rows}"
@@ -236,8 +259,8 @@ def _values_block(rows):
 
 
 def _values_tile(rows):
-    def values_tile(weights, h, v_blocks, j, pages, slots, n, acc):
-        value_rows = v_blocks[pages[:n], slots[:n], j]  # [n, D]
+    def values_tile(weights, h, v_blocks, j, pages, slots, n, acc, kv_format):
+        value_rows = widened(v_blocks[pages[:n], slots[:n], j], kv_format, acc)  # [n, D]
         acc[h:h + rows] += weights[h:h + rows, :n] @ value_rows
 
     values_tile.__name__ = values_tile.__qualname__ = f"values_tile_{rows}"
@@ -292,9 +315,9 @@ def register():
 # ``@overload`` typing functions whose implementations call an intrinsic (Numba wants the
 # parameters of the function, the typing function and the implementation to agree).
 def _forward_scores(intrinsic):
-    def typer(qs, h, k_blocks, j, pages, slots, i, n, scores):
-        def impl(qs, h, k_blocks, j, pages, slots, i, n, scores):
-            intrinsic(qs, h, k_blocks, j, pages, slots, i, n, scores)
+    def typer(qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format):
+        def impl(qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format):
+            intrinsic(qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format)
 
         return impl
 
@@ -302,9 +325,9 @@ def _forward_scores(intrinsic):
 
 
 def _forward_values(intrinsic):
-    def typer(weights, h, v_blocks, j, pages, slots, i, acc):
-        def impl(weights, h, v_blocks, j, pages, slots, i, acc):
-            intrinsic(weights, h, v_blocks, j, pages, slots, i, acc)
+    def typer(weights, h, v_blocks, j, pages, slots, i, acc, kv_format):
+        def impl(weights, h, v_blocks, j, pages, slots, i, acc, kv_format):
+            intrinsic(weights, h, v_blocks, j, pages, slots, i, acc, kv_format)
 
         return impl
 
@@ -312,9 +335,19 @@ def _forward_values(intrinsic):
 
 
 def _forward_values_tile(intrinsic):
-    def typer(weights, h, v_blocks, j, pages, slots, n, acc):
-        def impl(weights, h, v_blocks, j, pages, slots, n, acc):
-            intrinsic(weights, h, v_blocks, j, pages, slots, n, acc)
+    def typer(weights, h, v_blocks, j, pages, slots, n, acc, kv_format):
+        def impl(weights, h, v_blocks, j, pages, slots, n, acc, kv_format):
+            intrinsic(weights, h, v_blocks, j, pages, slots, n, acc, kv_format)
+
+        return impl
+
+    return typer
+
+
+def _forward_widen_row(intrinsic):
+    def typer(blocks, page, slot, head, dest, start, kv_format):
+        def impl(blocks, page, slot, head, dest, start, kv_format):
+            intrinsic(blocks, page, slot, head, dest, start, kv_format)
 
         return impl
 
@@ -364,7 +397,7 @@ def _forward_exp_row(intrinsic):
 #: The forwarder of each function, by its name.
 _FORWARDERS = {
     "prefetch_row": _forward_prefetch, "prefetch_head": _forward_prefetch_head,
-    "row_max": _forward_row, "exp_row": _forward_exp_row,
+    "row_max": _forward_row, "exp_row": _forward_exp_row, "widen_row": _forward_widen_row,
     **{f"scores_block_{rows}": _forward_scores for rows in BLOCK_ROWS},
     **{f"values_block_{rows}": _forward_values for rows in BLOCK_ROWS},
     **{f"values_tile_{rows}": _forward_values_tile for rows in BLOCK_ROWS},
@@ -421,7 +454,8 @@ def build_intrinsics(vector_bytes, prefetch_bytes=None):
     built = {"prefetch_row": simd_llvm.prefetch_row_intrinsic(),
              "prefetch_head": simd_llvm.prefetch_head_intrinsic(),
              "row_max": simd_llvm.row_max_intrinsic(),
-             "exp_row": simd_llvm.exp_row_intrinsic()}
+             "exp_row": simd_llvm.exp_row_intrinsic(),
+             "widen_row": simd_llvm.widen_row_intrinsic(vector_bytes)}
     for rows in BLOCK_ROWS:
         built[f"scores_block_{rows}"] = simd_llvm.scores_block_intrinsic(
             rows, vector_bytes, prefetch_bytes)

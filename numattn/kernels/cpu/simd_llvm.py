@@ -14,6 +14,7 @@ from llvmlite import ir
 from numba.core import cgutils, errors, types
 from numba.extending import intrinsic
 
+from ...core.dtypes import FORMAT_E5M2
 from .simd import (
     BLOCK_KEYS,
     EXP_LN2,
@@ -132,6 +133,99 @@ class Vectors:
             step(builder.mul(whole, const(self.lanes)), self.first_lanes(tail))
 
 
+class StoredRows:
+    """Vector loads of K or V rows in their stored type, widened to ``vec``'s type.
+
+    ``storage`` is the dtype of the kernel view of the blocks
+    (:func:`numattn.core.dtypes.kernel_view`): float32/float64 are read as they are (or
+    rounded to float32), uint16 holds bfloat16 bits (moved to a float32's upper half),
+    int16 float16 bits (``fpext``), uint8 float8 bits of the format ``kv_format`` says
+    (e4m3fn or e5m2: the exponent and mantissa moved into a float32 and rebased by a power
+    of two, which also gives the subnormals; NaN and infinities by compares), int8
+    integers (``sitofp``).  The rules are those of
+    :func:`numattn.kernels.shared.storage.stored_value`.
+    """
+
+    def __init__(self, context, builder, vec, storage, kv_format, prefetch_bytes=0):
+        self.builder = builder
+        self.vec = vec
+        self.kind = np.dtype(str(storage)).name
+        self.itemsize = np.dtype(self.kind).itemsize
+        self.prefetch_bytes = prefetch_bytes
+        element = context.get_data_type(storage)
+        self.type = ir.VectorType(element, vec.lanes)
+        letter = "f" if self.kind.startswith("float") else "i"
+        self.name = f"v{vec.lanes}{letter}{8 * self.itemsize}"
+        if self.kind == "uint8":
+            lanes = vec.lanes
+            i32 = ir.VectorType(I32, lanes)
+            e5m2 = builder.icmp_signed("==", kv_format, const(FORMAT_E5M2))
+
+            def pick(if_e5m2, if_e4m3):
+                return broadcast(builder, builder.select(
+                    e5m2, ir.Constant(I32, if_e5m2), ir.Constant(I32, if_e4m3)), lanes)
+
+            self.shift = pick(21, 20)  # the exponent's lowest bit to a float32's
+            self.nan_from = pick(0x7D, 0x7F)  # magnitudes at or above it are NaN
+            self.inf_at = pick(0x7C, 0x100)  # the magnitude of infinity (none in e4m3fn)
+            rebase = builder.select(e5m2, ir.Constant(ir.FloatType(), 2.0 ** 112),
+                                    ir.Constant(ir.FloatType(), 2.0 ** 120))
+            self.rebase = broadcast(builder, rebase, lanes)
+            self.i32 = i32
+
+    def _raw(self, ptr, offset, mask):
+        builder = self.builder
+        address = builder.bitcast(builder.gep(ptr, [offset]), self.type.as_pointer())
+        if mask is None:
+            return builder.load(address, align=self.itemsize, typ=self.type)
+        return call(builder, f"llvm.masked.load.{self.name}.p0", self.type,
+                    [address, ir.Constant(I32, self.itemsize), mask,
+                     ir.Constant(self.type, None)])
+
+    def load(self, ptr, offset, mask=None):
+        """The ``vec.lanes`` elements of ``ptr[offset:]`` (those ``mask`` selects), widened."""
+        builder = self.builder
+        target = self.vec.type
+        if self.type == target:
+            return self.vec.load(ptr, offset, mask)
+        raw = self._raw(ptr, offset, mask)
+        lanes = self.vec.lanes
+        i32 = ir.VectorType(I32, lanes)
+        if self.kind.startswith("float"):
+            return builder.fptrunc(raw, target)
+        if self.kind == "int8":
+            return builder.sitofp(raw, target)
+        if self.kind == "int16":  # float16
+            return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), lanes)),
+                                 target)
+        wide = builder.zext(raw, i32)
+        if self.kind == "uint16":  # bfloat16
+            return builder.bitcast(builder.shl(wide, splat_i32(lanes, 16)), target)
+        # float8: |x| moved into place and rebased, then NaN, infinity and the sign
+        magnitude = builder.and_(wide, splat_i32(lanes, 0x7F))
+        value = builder.fmul(builder.bitcast(builder.shl(magnitude, self.shift), target),
+                             self.rebase)
+        value = builder.select(builder.icmp_unsigned(">=", magnitude, self.nan_from),
+                               ir.Constant(target, [float("nan")] * lanes), value)
+        value = builder.select(builder.icmp_unsigned("==", magnitude, self.inf_at),
+                               ir.Constant(target, [float("inf")] * lanes), value)
+        sign = builder.shl(builder.and_(wide, splat_i32(lanes, 0x80)), splat_i32(lanes, 24))
+        return builder.bitcast(builder.or_(builder.bitcast(value, i32), sign), target)
+
+    def prefetch_ahead(self, ptr, offset):
+        """As :meth:`Vectors.prefetch_ahead`, over the stored elements."""
+        if not self.prefetch_bytes:
+            return
+        ahead = self.builder.add(offset, const(self.prefetch_bytes // self.itemsize))
+        prefetch_line(self.builder, self.builder.bitcast(self.builder.gep(ptr, [ahead]),
+                                                         ir.IntType(8).as_pointer()))
+
+
+def splat_i32(lanes, value):
+    """An ``i32`` vector constant of ``lanes`` copies of ``value``."""
+    return ir.Constant(ir.VectorType(I32, lanes), [value] * lanes)
+
+
 def sum_lanes(builder, vectors):
     """Horizontal sums of ``vectors`` (all of one width), by a tree of shuffles: vectors
     whose lanes, concatenated, hold the sums in order.
@@ -209,13 +303,14 @@ def scores_block_intrinsic(rows, vector_bytes, prefetch_bytes):
     """The intrinsic of :func:`.simd.scores_block_4` (``_2``, ``_1``: ``rows`` heads)."""
 
     @intrinsic
-    def scores_block(typingctx, qs, h, k_blocks, j, pages, slots, i, n, scores):
-        sig = types.none(qs, h, k_blocks, j, pages, slots, i, n, scores)
+    def scores_block(typingctx, qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format):
+        sig = types.none(qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format)
 
         def codegen(context, builder, signature, args):
-            qs_v, h_v, k_v, j_v, pages_v, slots_v, i_v, n_v, scores_v = args
-            qs_ty, _, k_ty, _, pages_ty, slots_ty, _, _, scores_ty = signature.args
-            vec = Vectors(context, builder, qs_ty.dtype, vector_bytes, prefetch_bytes)
+            qs_v, h_v, k_v, j_v, pages_v, slots_v, i_v, n_v, scores_v, format_v = args
+            qs_ty, _, k_ty, _, pages_ty, slots_ty, _, _, scores_ty, _ = signature.args
+            vec = Vectors(context, builder, qs_ty.dtype, vector_bytes)
+            stored = StoredRows(context, builder, vec, k_ty.dtype, format_v, prefetch_bytes)
             heads = [builder.add(h_v, const(a)) for a in range(rows)]
             last = builder.sub(n_v, const(1))
             positions = [builder.select(builder.icmp_signed("<", builder.add(i_v, const(b)),
@@ -231,9 +326,9 @@ def scores_block_intrinsic(rows, vector_bytes, prefetch_bytes):
 
             def step(offset, mask):
                 for p in k_rows:
-                    vec.prefetch_ahead(p, offset)
+                    stored.prefetch_ahead(p, offset)
                 q = [vec.load(p, offset, mask) for p in q_rows]
-                k = [vec.load(p, offset, mask) for p in k_rows]
+                k = [stored.load(p, offset, mask) for p in k_rows]
                 for a in range(rows):
                     for b in range(BLOCK_KEYS):
                         acc = sums[a * BLOCK_KEYS + b]
@@ -295,13 +390,14 @@ def values_block_intrinsic(rows, vector_bytes, prefetch_bytes):
     """The intrinsic of :func:`.simd.values_block_4` (``_2``, ``_1``: ``rows`` heads)."""
 
     @intrinsic
-    def values_block(typingctx, weights, h, v_blocks, j, pages, slots, i, acc):
-        sig = types.none(weights, h, v_blocks, j, pages, slots, i, acc)
+    def values_block(typingctx, weights, h, v_blocks, j, pages, slots, i, acc, kv_format):
+        sig = types.none(weights, h, v_blocks, j, pages, slots, i, acc, kv_format)
 
         def codegen(context, builder, signature, args):
-            w_v, h_v, v_v, j_v, pages_v, slots_v, i_v, acc_v = args
-            w_ty, _, v_ty, _, pages_ty, slots_ty, _, acc_ty = signature.args
-            vec = Vectors(context, builder, acc_ty.dtype, vector_bytes, prefetch_bytes)
+            w_v, h_v, v_v, j_v, pages_v, slots_v, i_v, acc_v, format_v = args
+            w_ty, _, v_ty, _, pages_ty, slots_ty, _, acc_ty, _ = signature.args
+            vec = Vectors(context, builder, acc_ty.dtype, vector_bytes)
+            stored = StoredRows(context, builder, vec, v_ty.dtype, format_v, prefetch_bytes)
             heads = [builder.add(h_v, const(a)) for a in range(rows)]
             positions = [builder.add(i_v, const(b)) for b in range(BLOCK_KEYS)]
             v_rows = key_rows(context, builder, v_ty, v_v, j_v, pages_ty, pages_v,
@@ -314,8 +410,8 @@ def values_block_intrinsic(rows, vector_bytes, prefetch_bytes):
 
             def step(offset, mask):
                 for p in v_rows:
-                    vec.prefetch_ahead(p, offset)
-                v = [vec.load(p, offset, mask) for p in v_rows]
+                    stored.prefetch_ahead(p, offset)
+                v = [stored.load(p, offset, mask) for p in v_rows]
                 for a in range(rows):
                     total = vec.load(acc_rows[a], offset, mask)
                     for b in range(BLOCK_KEYS):
@@ -334,13 +430,14 @@ def values_tile_intrinsic(rows, vector_bytes):
     """The intrinsic of :func:`.simd.values_tile_4` (``_2``, ``_1``: ``rows`` heads)."""
 
     @intrinsic
-    def values_tile(typingctx, weights, h, v_blocks, j, pages, slots, n, acc):
-        sig = types.none(weights, h, v_blocks, j, pages, slots, n, acc)
+    def values_tile(typingctx, weights, h, v_blocks, j, pages, slots, n, acc, kv_format):
+        sig = types.none(weights, h, v_blocks, j, pages, slots, n, acc, kv_format)
 
         def codegen(context, builder, signature, args):
-            w_v, h_v, v_v, j_v, pages_v, slots_v, n_v, acc_v = args
-            w_ty, _, v_ty, _, pages_ty, slots_ty, _, acc_ty = signature.args
+            w_v, h_v, v_v, j_v, pages_v, slots_v, n_v, acc_v, format_v = args
+            w_ty, _, v_ty, _, pages_ty, slots_ty, _, acc_ty, _ = signature.args
             vec = Vectors(context, builder, acc_ty.dtype, vector_bytes)
+            stored = StoredRows(context, builder, vec, v_ty.dtype, format_v)
             heads = [builder.add(h_v, const(a)) for a in range(rows)]
             head_dim = last_dim(context, builder, acc_ty, acc_v)
             # vector c holds elements c * lanes ..; its lanes past head_dim are masked
@@ -363,7 +460,7 @@ def values_tile_intrinsic(rows, vector_bytes):
                                                              [head, position])))
                           for head in heads]
                 for c in range(TILE_VECTORS):
-                    value = vec.load(v_row, const(c * vec.lanes), masks[c])
+                    value = stored.load(v_row, const(c * vec.lanes), masks[c])
                     for a in range(rows):
                         total = sums[a][c]
                         builder.store(vec.fma(weight[a], value, builder.load(total)), total)
@@ -544,6 +641,34 @@ def prefetch_row_intrinsic():
         return sig, codegen
 
     return prefetch
+
+
+def widen_row_intrinsic(vector_bytes):
+    """The intrinsic of :func:`.simd.widen_row`."""
+
+    @intrinsic
+    def widen_row(typingctx, blocks, page, slot, head, dest, start, kv_format):
+        check_row(dest, "widen_row")
+        sig = types.none(blocks, page, slot, head, dest, start, kv_format)
+
+        def codegen(context, builder, signature, args):
+            blocks_v, page_v, slot_v, head_v, dest_v, start_v, format_v = args
+            blocks_ty, dest_ty = signature.args[0], signature.args[4]
+            vec = Vectors(context, builder, dest_ty.dtype, vector_bytes)
+            stored = StoredRows(context, builder, vec, blocks_ty.dtype, format_v)
+            source = row_pointer(context, builder, blocks_ty, blocks_v,
+                                 [page_v, slot_v, head_v, const(0)])
+            target = row_pointer(context, builder, dest_ty, dest_v, [start_v])
+
+            def step(offset, mask):
+                vec.store(stored.load(source, offset, mask), target, offset, mask)
+
+            vec.over_row(last_dim(context, builder, blocks_ty, blocks_v), step)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return widen_row
 
 
 def prefetch_head_intrinsic():

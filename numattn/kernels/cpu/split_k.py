@@ -28,6 +28,7 @@ from ..shared.masks import key_bias, mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
 from ..shared.partitions import MIN_TILES_PER_PARTITION, partition_bounds, partition_count
 from ..shared.softmax import merge_partials
+from ..shared.storage import stored_value
 from . import simd
 from .schedule import zigzag_schedule
 from .simd import (
@@ -78,8 +79,8 @@ MULTI_QUERY_WORKERS = 16
 
 
 def _row_bytes(layout, dtype):
-    """Bytes of one token's K (or V) row of all KV heads."""
-    return layout.num_kv_heads * layout.head_dim * dtype.itemsize
+    """Bytes of one token's K (or V) row of all KV heads, as stored."""
+    return layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
 
 
 def _prefetch_lines(layout, dtype):
@@ -141,7 +142,7 @@ def decode_launch(layout, q_offsets, dtype, config, num_partitions):
 def run_decode_cpu(problem, launch):
     """Decode of a normalised problem (:class:`numattn.core.problem.AttentionProblem`, one
     query row per sequence) as ``launch`` says; returns ``(out, lse)``."""
-    queries, layout, mask, softmax, _, out, out_shape, _, _ = problem
+    queries, layout, mask, softmax, _, out, out_shape = problem[:7]
     q, q_offsets, q_start_pos, _ = queries
     batch, num_heads, _ = q.shape
     dtype = q.dtype
@@ -186,9 +187,9 @@ def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
         tiling = _tiling(layout, dtype, block_k, tile_keys)
     if schedule is None:
         schedule = _schedule(q_offsets, layout.num_keys, parts, block_k, parallel)
-    # QueryRows', PagedKV's (layout[:6]) and MaskArgs' fields
+    # QueryRows', PagedKV's (layout[:9]) and MaskArgs' fields
     cpu_jit(_decode_partitions_cpu, parallel=parallel)(
-        (q, q_offsets, q_start_pos, max_q_len), layout[:6], (program, additive, has_additive),
+        (q, q_offsets, q_start_pos, max_q_len), layout[:9], (program, additive, has_additive),
         scale, tiling, schedule, (part_m, part_l, part_acc),
     )
     return part_m, part_l, part_acc
@@ -313,7 +314,9 @@ def _decode_partitions_cpu(queries, kv, mask, scale, tiling, schedule, states):
     ``tile_values`` (:func:`_whole_tile_values`) choose how rows are read for their length.
     """
     q, q_offsets, q_start_pos, max_q_len = queries
-    k_blocks, v_blocks, page_size, lookup_table, row_base, num_keys = kv
+    k_blocks, v_blocks, page_size, lookup_table, row_base, num_keys, k_scales, v_scales, \
+        kv_format = kv
+    has_scales = k_scales.shape[0] > 0
     program, additive, has_additive = mask
     block_k, tile_keys, prefetch_lines, tile_values = tiling
     item_order, thread_starts = schedule
@@ -371,7 +374,9 @@ def _decode_partitions_cpu(queries, kv, mask, scale, tiling, schedule, states):
                 # Hidden keys are scored too (their rows are in range) and then replaced by
                 # -inf below, so nothing they hold is used.
                 _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, kv_rows, prefetch_lines,
-                             scores)
+                             kv_format, scores)
+                if has_scales:  # q . (k s) = (q . k) s
+                    _scale_keys(scores, k_scales, pages, slots, n, kv_rows)
                 all_visible = status == TILE_NONE and not has_additive
                 if not all_visible:
                     # the mask once per (query row, key), then each state row
@@ -390,6 +395,8 @@ def _decode_partitions_cpu(queries, kv, mask, scale, tiling, schedule, states):
                             hidden[r, i] = not seen[s, i] or bias == -math.inf
                             scores[r, i] = -math.inf if hidden[r, i] else scores[r, i] + bias
                 softmax_tile(scores, m, l, alpha)
+                if has_scales:  # p (v s) = (p s) v, for the keys taken
+                    _scale_keys(scores, v_scales, pages, slots, n, kv_rows)
                 # acc's share of accumulate(acc, alpha, P V): rescaled here, the weighted V
                 # rows added by the explicit vector code of _tile_values
                 for r in range(num_rows):
@@ -399,7 +406,7 @@ def _decode_partitions_cpu(queries, kv, mask, scale, tiling, schedule, states):
                             acc[r, d] *= a
                 _tile_values(scores, k_blocks, v_blocks, pages, slots, n, ahead, kv_rows,
                              prefetch_lines, tile_values and all_visible, all_visible, hidden,
-                             acc)
+                             kv_format, acc)
 
 
 @body
@@ -470,6 +477,19 @@ def _tile_rows(lookup_table, page_size, row_base, b, k0, n, next_n, interleave, 
 
 
 @body
+def _scale_keys(scores, scales, pages, slots, n, group):
+    """``scores[r, i] *= scales[pages[i], slots[i], r // group]``: a quantized cache's
+    scale of each key's row (``group`` state rows per KV head).  -inf stays -inf, and a
+    weight of 0 stays 0 whatever the scale of a slot that is not read (NaN included)."""
+    for r in range(scores.shape[0]):
+        j = r // group
+        for i in range(n):
+            x = scores[r, i]
+            if x != 0 and x != -math.inf:
+                scores[r, i] = x * scales[pages[i], slots[i], j]
+
+
+@body
 def _block_rows(heads_left):
     """Query heads in the next block of the CPU kernels: 4, 2 or 1, the most that fit in
     ``heads_left`` (a KV head's ``group`` query heads go in blocks of 4, then 2, then 1:
@@ -478,7 +498,8 @@ def _block_rows(heads_left):
 
 
 @body
-def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, prefetch_lines, scores):
+def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, prefetch_lines, kv_format,
+                 scores):
     """``scores[h, r] = qs[h] . K[r, h // group]`` for the ``n`` positions of a tile (CPU only).
 
     A block of four positions at a time, and per KV head its query heads in blocks of
@@ -499,17 +520,17 @@ def _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, group, prefetch_lines,
             while h < (j + 1) * group:
                 rows = _block_rows((j + 1) * group - h)
                 if rows == 4:
-                    scores_block_4(qs, h, k_blocks, j, pages, slots, i, n, scores)
+                    scores_block_4(qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format)
                 elif rows == 2:
-                    scores_block_2(qs, h, k_blocks, j, pages, slots, i, n, scores)
+                    scores_block_2(qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format)
                 else:
-                    scores_block_1(qs, h, k_blocks, j, pages, slots, i, n, scores)
+                    scores_block_1(qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format)
                 h += rows
 
 
 @body
 def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, prefetch_lines,
-                 whole_tile, all_visible, hidden, acc):
+                 whole_tile, all_visible, hidden, kv_format, acc):
     """``acc[h] += sum_r weights[h, r] V[r, h // group]`` over a tile (CPU only).
 
     A block of four positions at a time, and the query heads in blocks of
@@ -533,11 +554,11 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, pre
             j = h // group
             rows = _block_rows((j + 1) * group - h)
             if rows == 4:
-                values_tile_4(weights, h, v_blocks, j, pages, slots, n, acc)
+                values_tile_4(weights, h, v_blocks, j, pages, slots, n, acc, kv_format)
             elif rows == 2:
-                values_tile_2(weights, h, v_blocks, j, pages, slots, n, acc)
+                values_tile_2(weights, h, v_blocks, j, pages, slots, n, acc, kv_format)
             else:
-                values_tile_1(weights, h, v_blocks, j, pages, slots, n, acc)
+                values_tile_1(weights, h, v_blocks, j, pages, slots, n, acc, kv_format)
             h += rows
         return
     i = 0
@@ -565,13 +586,14 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, pre
                             page = pages[r]
                             slot = slots[r]
                             for d in range(head_dim):
-                                acc[g, d] += w * v_blocks[page, slot, j, d]
+                                acc[g, d] += w * stored_value(v_blocks[page, slot, j, d],
+                                                              kv_format, acc)
             elif rows == 4:
-                values_block_4(weights, h, v_blocks, j, pages, slots, i, acc)
+                values_block_4(weights, h, v_blocks, j, pages, slots, i, acc, kv_format)
             elif rows == 2:
-                values_block_2(weights, h, v_blocks, j, pages, slots, i, acc)
+                values_block_2(weights, h, v_blocks, j, pages, slots, i, acc, kv_format)
             else:
-                values_block_1(weights, h, v_blocks, j, pages, slots, i, acc)
+                values_block_1(weights, h, v_blocks, j, pages, slots, i, acc, kv_format)
             h += rows
         i += 4
     while i < n:
@@ -582,7 +604,7 @@ def _tile_values(weights, k_blocks, v_blocks, pages, slots, n, ahead, group, pre
             if all_visible or not hidden[h, i]:
                 j = h // group
                 for d in range(head_dim):
-                    acc[h, d] += w * v_blocks[page, slot, j, d]
+                    acc[h, d] += w * stored_value(v_blocks[page, slot, j, d], kv_format, acc)
         i += 1
 
 
