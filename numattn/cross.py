@@ -19,6 +19,7 @@ import numpy as np
 
 from .core.device import is_device_array, require_cuda
 from .core.dtypes import lse_dtype
+from .core.interop import as_arrays
 from .core.masks import NullMask
 from .core.problem import OUT_APART, OperationRules, attention_problem, finish_result
 
@@ -123,6 +124,7 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
         raise TypeError(
             f"q_max_seq_len must be an integer, got {type(q_max_seq_len).__name__}"
         )
+    q, k, v, mask, out = as_arrays(q=q, k=k, v=v, mask=mask, out=out)
     problem = attention_problem(
         q, k, v, mask, scale, rules=RULES, q_offsets=q_input_row_offsets,
         kv_offsets=kv_input_row_offsets, q_max_seq_len=q_max_seq_len, out=out,

@@ -19,6 +19,7 @@ import numpy as np
 
 from .core.config import resolve_config
 from .core.device import resolve_device
+from .core.interop import as_arrays
 from .core.kv_cache import KVCache, PlannedKV
 from .core.masks import NullMask, compile_mask
 from .core.problem import (
@@ -119,6 +120,8 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
     True
     """
     config = resolve_config(config)
+    q, k, v, mask, out, sink_weights = as_arrays(q=q, k=k, v=v, mask=mask, out=out,
+                                                 sink_weights=sink_weights)
     num_partitions = _check_num_partitions(
         config.num_partitions if num_partitions is None else num_partitions
     )
@@ -190,6 +193,7 @@ class DecodePlan:
     def __init__(self, k, v, mask=NO_MASK, *, num_partitions=None, device="auto",
                  config=None, q_dtype=None):
         config = resolve_config(config)
+        k, v, mask = as_arrays(k=k, v=v, mask=mask)
         self._num_partitions = _check_num_partitions(
             config.num_partitions if num_partitions is None else num_partitions
         )
@@ -264,6 +268,8 @@ class DecodePlan:
             is not what the plan was made for.  Nothing is written then.
         """
         step = self._step
+        q, k, v, out, sink_weights = as_arrays(q=q, k=k, v=v, out=out,
+                                               sink_weights=sink_weights)
         if not (type(q) is np.ndarray and q.ndim == 3 and q.dtype == step.q_dtype
                 and q.shape[0] == self._batch and q.shape[2] > 0):
             self._check_queries(q)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .core.config import resolve_config
+from .core.interop import as_arrays
 from .core.kv_cache import KVCache, PlannedKV
 from .core.masks import compile_mask
 from .core.problem import (
@@ -115,6 +116,8 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     >>> out.shape, lse.shape
     ((1, 3, 2, 8), (1, 3, 2))
     """
+    q, k, v, mask, out, sink_weights = as_arrays(q=q, k=k, v=v, mask=mask, out=out,
+                                                 sink_weights=sink_weights)
     _check_on_host(q, k, v, mask)
     problem = attention_problem(
         q, k, v, mask, scale, rules=RULES, q_offsets=q_input_row_offsets,
@@ -211,6 +214,7 @@ class FlashPlan:
     def __init__(self, k, v, mask, *, q_input_row_offsets, kv_input_row_offsets=None,
                  config=None, q_dtype=None):
         config = resolve_config(config)
+        k, v, mask = as_arrays(k=k, v=v, mask=mask)
         _check_on_host(None, k, v, mask)
         if isinstance(k, KVCache):
             kv_dtype = k.dtype
@@ -262,6 +266,8 @@ class FlashPlan:
             or ``v`` is not what the plan was made for.  Nothing is written then.
         """
         step = self._step
+        q, k, v, out, sink_weights = as_arrays(q=q, k=k, v=v, out=out,
+                                               sink_weights=sink_weights)
         _check_on_host(q, k, v, None)
         check_array("q", q, ndim=3)
         if dtype_of(q) != step.q_dtype:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .core.interop import as_array
 from .core.kv_cache import (
     ContinuousBatchingKVCache,
     KVCache,
@@ -75,6 +76,7 @@ def store_kv(cache, new_rows, input_row_offsets):
             "cache must be a ContinuousBatchingKVCache or PagedKVCache, got "
             f"{type(cache).__name__}"
         )
+    new_rows = as_array("new_rows", new_rows)
     if not isinstance(cache.blocks, np.ndarray):
         raise TypeError("store_kv writes host (NumPy) caches; cache.blocks is a device array")
     check_array("new_rows", new_rows, ndim=3)
@@ -122,7 +124,8 @@ def _stored_rows(rows, dtype, scaled):
             if rows.dtype not in (np.float32, np.float64):
                 rows = rows.astype(np.float32)  # exact: every 16- or 8-bit float is one
             rows = np.clip(rows, -448.0, 448.0)
-        return rows.astype(dtype), None
+        with np.errstate(over="ignore"):  # past the largest finite value: inf, as rounding says
+            return rows.astype(dtype), None
     wide = rows.astype(np.float32)
     scales = np.abs(wide).max(axis=-1) / np.float32(_QUANT_MAX[dtype.name])
     safe = np.where(scales > 0, scales, np.float32(1))[..., None]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .core.dtypes import lse_dtype
+from .core.interop import as_array
 from .core.validate import check_array, check_q_dtype, dtype_of, shape_of
 
 __all__ = ["merge_states"]
@@ -72,8 +73,8 @@ def merge_states(outs, lses):
     >>> bool(np.allclose(out, full[0]) and np.allclose(lse, full[1]))
     True
     """
-    outs = _parts("outs", outs)
-    lses = _parts("lses", lses)
+    outs = [as_array(f"outs[{i}]", o) for i, o in enumerate(_parts("outs", as_array("outs", outs)))]
+    lses = [as_array(f"lses[{i}]", x) for i, x in enumerate(_parts("lses", as_array("lses", lses)))]
     if not outs:
         raise ValueError("merge_states needs at least one part, got none")
     if len(outs) != len(lses):

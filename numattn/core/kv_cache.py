@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .dtypes import is_quantized, kernel_view, storage_format
+from .interop import as_array
 from .jit import cpu_jit
 from .validate import (
     FLOAT_DTYPES,
@@ -73,6 +74,9 @@ def _check_scales(cls, scales, blocks, dtype):
 class _CacheBase:
     def __post_init__(self):
         cls = type(self).__name__
+        for name in ("blocks", "scales", "cache_lengths", "lookup_table"):
+            # a tensor of another library: the NumPy array over its memory, kept
+            object.__setattr__(self, name, as_array(f"{cls}.{name}", getattr(self, name)))
         if not (hasattr(self.blocks, "shape") and hasattr(self.blocks, "dtype")):
             raise TypeError(
                 f"{cls}.blocks must be a NumPy or CUDA device array (store_kv writes the cache "
@@ -596,7 +600,9 @@ class PlannedKV:
             if self.is_cache:
                 k_blocks, v_blocks = k.blocks, v.blocks
                 same_tables = (k.cache_lengths is self.lengths and v.cache_lengths is self.lengths
-                               and k.lookup_table is self.table and v.lookup_table is self.table)
+                               and k.lookup_table is self.table and v.lookup_table is self.table
+                               and (k.scales is not None) == self.scaled
+                               and (v.scales is not None) == self.scaled)
             else:
                 k_blocks, v_blocks, same_tables = k, v, True
             # the common case, in a few operations: the planned tables, contiguous host pages

@@ -349,13 +349,13 @@ def plan_q_dtype(q_dtype, kv_dtype):
 
 
 def finish_result(problem, result, lse):
-    """The result as the caller asked for it: of q's dtype (or in the caller's ``out`` of
-    another dtype than the compute dtype, rounded to nearest), the LSE float32 (float64
-    for float64 queries).  Host arrays only (the CUDA kernels read float32/float64)."""
+    """The result as the caller asked for it: of q's dtype (rounded to nearest), or the
+    caller's ``out``, the LSE float32 (float64 for float64 queries).  Host arrays only
+    (the CUDA kernels read float32/float64)."""
     if problem.final_out is not None:
         problem.final_out[...] = result
         result = problem.final_out
-    elif result.dtype != problem.result_dtype:
+    elif problem.out is None and result.dtype != problem.result_dtype:
         result = result.astype(problem.result_dtype)
     if lse is not None and lse.dtype != lse_dtype(problem.result_dtype):
         lse = lse.astype(lse_dtype(problem.result_dtype))

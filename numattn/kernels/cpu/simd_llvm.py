@@ -140,8 +140,8 @@ class StoredRows:
     (:func:`numattn.core.dtypes.kernel_view`): float32/float64 are read as they are (or
     rounded to float32), uint16 holds bfloat16 bits (moved to a float32's upper half),
     int16 float16 bits (``fpext``), uint8 float8 bits of the format ``kv_format`` says
-    (e4m3fn or e5m2: the exponent and mantissa moved into a float32 and rebased by a power
-    of two, which also gives the subnormals; NaN and infinities by compares), int8
+    (e4m3fn or e5m2: the exponent and mantissa moved into a float32 and rebiased, the
+    subnormals as integers times their step; NaN and infinities by compares), int8
     integers (``sitofp``).  The rules are those of
     :func:`numattn.kernels.shared.storage.stored_value`.
     """
@@ -158,20 +158,18 @@ class StoredRows:
         self.name = f"v{vec.lanes}{letter}{8 * self.itemsize}"
         if self.kind == "uint8":
             lanes = vec.lanes
-            i32 = ir.VectorType(I32, lanes)
             e5m2 = builder.icmp_signed("==", kv_format, const(FORMAT_E5M2))
 
-            def pick(if_e5m2, if_e4m3):
+            def pick(if_e5m2, if_e4m3, element=I32):
                 return broadcast(builder, builder.select(
-                    e5m2, ir.Constant(I32, if_e5m2), ir.Constant(I32, if_e4m3)), lanes)
+                    e5m2, ir.Constant(element, if_e5m2), ir.Constant(element, if_e4m3)), lanes)
 
             self.shift = pick(21, 20)  # the exponent's lowest bit to a float32's
+            self.rebias = pick(112 << 23, 120 << 23)  # float32's exponent bias less the format's
+            self.normal_from = pick(4, 8)  # magnitudes below it are subnormal (exponent 0)
+            self.subnormal_unit = pick(2.0 ** -16, 2.0 ** -9, ir.FloatType())  # their step
             self.nan_from = pick(0x7D, 0x7F)  # magnitudes at or above it are NaN
             self.inf_at = pick(0x7C, 0x100)  # the magnitude of infinity (none in e4m3fn)
-            rebase = builder.select(e5m2, ir.Constant(ir.FloatType(), 2.0 ** 112),
-                                    ir.Constant(ir.FloatType(), 2.0 ** 120))
-            self.rebase = broadcast(builder, rebase, lanes)
-            self.i32 = i32
 
     def _raw(self, ptr, offset, mask):
         builder = self.builder
@@ -201,10 +199,15 @@ class StoredRows:
         wide = builder.zext(raw, i32)
         if self.kind == "uint16":  # bfloat16
             return builder.bitcast(builder.shl(wide, splat_i32(lanes, 16)), target)
-        # float8: |x| moved into place and rebased, then NaN, infinity and the sign
+        # float8: a normal |x|'s exponent and mantissa moved into place and rebiased; a
+        # subnormal's as an integer times its step (no float32 subnormal is ever formed: they
+        # cost a microcode assist per operation); then NaN, infinity and the sign
         magnitude = builder.and_(wide, splat_i32(lanes, 0x7F))
-        value = builder.fmul(builder.bitcast(builder.shl(magnitude, self.shift), target),
-                             self.rebase)
+        normal = builder.bitcast(builder.add(builder.shl(magnitude, self.shift), self.rebias),
+                                 target)
+        subnormal = builder.fmul(builder.uitofp(magnitude, target), self.subnormal_unit)
+        value = builder.select(builder.icmp_unsigned("<", magnitude, self.normal_from),
+                               subnormal, normal)
         value = builder.select(builder.icmp_unsigned(">=", magnitude, self.nan_from),
                                ir.Constant(target, [float("nan")] * lanes), value)
         value = builder.select(builder.icmp_unsigned("==", magnitude, self.inf_at),

@@ -481,12 +481,15 @@ def _scale_keys(scores, scales, pages, slots, n, group):
     """``scores[r, i] *= scales[pages[i], slots[i], r // group]``: a quantized cache's
     scale of each key's row (``group`` state rows per KV head).  -inf stays -inf, and a
     weight of 0 stays 0 whatever the scale of a slot that is not read (NaN included)."""
-    for r in range(scores.shape[0]):
-        j = r // group
-        for i in range(n):
-            x = scores[r, i]
-            if x != 0 and x != -math.inf:
-                scores[r, i] = x * scales[pages[i], slots[i], j]
+    num_kv_heads = scores.shape[0] // group
+    for i in range(n):
+        row_scales = scales[pages[i], slots[i]]
+        for j in range(num_kv_heads):
+            s = row_scales[j]
+            for r in range(j * group, (j + 1) * group):
+                x = scores[r, i]
+                if x != 0 and x != -math.inf:
+                    scores[r, i] = x * s
 
 
 @body

@@ -1,0 +1,353 @@
+"""16- and 8-bit storage: every operation, cache kind, mask, sinks and GQA group against the
+float64 reference computed from the *stored* values, for every dtype pair; store_kv's
+rounding bit for bit against ml_dtypes; arrays from other libraries read in place.
+
+Tolerances go by the output's dtype (:data:`OUT_TOL`): float32 results are as close as with
+float32 caches (the kernels compute in float32 from the exact stored values), 16-bit
+results are off by their own rounding.  Unused slots hold NaN (float formats) or garbage
+with NaN scales (quantized formats), which must never reach the output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numattn
+from numattn import (
+    CausalMask,
+    ChunkedCausalMask,
+    ContinuousBatchingKVCache,
+    DecodePlan,
+    FlashPlan,
+    NullMask,
+    PagedKVCache,
+    SlidingWindowCausalMask,
+    reference,
+)
+from numattn.core import dtypes
+
+from .utils import assert_close, make_cache, randn
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+#: K/V storage: (dtype name, with scales)
+STORAGES = [("float32", False), ("float64", False), ("float16", False), ("bfloat16", False),
+            ("float8_e4m3fn", False), ("float8_e5m2", False), ("float8_e4m3fn", True),
+            ("float8_e5m2", True), ("int8", True)]
+Q_DTYPES = ["float32", "bfloat16", "float16", "float64"]
+#: tolerance of results by their dtype (relative to 1 + |expected|)
+OUT_TOL = {"float64": 2e-4, "float32": 2e-4, "float16": 2e-3, "bfloat16": 1.6e-2}
+MASKS = [NullMask(), CausalMask(), SlidingWindowCausalMask(3), ChunkedCausalMask(4),
+         CausalMask() | ChunkedCausalMask(2)]
+
+
+def dtype_of(name):
+    return dtypes.ml_dtype(name) if name in ("bfloat16", "float8_e4m3fn",
+                                             "float8_e5m2") else np.dtype(name)
+
+
+def stored(blocks, name, scaled, rng):
+    """``blocks`` (float32 with NaN in unused slots) in the storage ``name``: float formats
+    keep the NaN; quantized ones hold garbage there with NaN scales."""
+    unused = np.isnan(blocks).any(axis=-1)
+    if not scaled:
+        return blocks.astype(dtype_of(name)), None
+    limit = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}[name]
+    scales = (np.abs(np.nan_to_num(blocks)).max(axis=-1) / limit).astype(np.float32)
+    scales[scales == 0] = 1
+    values = np.nan_to_num(blocks) / scales[..., None]
+    quantized = (np.clip(np.rint(values), -127, 127).astype(np.int8) if name == "int8"
+                 else values.astype(dtype_of(name)))
+    garbage = rng.integers(-128, 128, quantized.shape, dtype=np.int8).view(quantized.dtype)
+    quantized[unused] = garbage[unused]
+    scales[unused] = np.nan
+    return quantized, scales
+
+
+def make_step(rng, kind, cache_lengths, kv_lens, hkv, d, storage, *, page_size=4):
+    """K/V of one step in ``storage`` (``(name, scaled)``): caches of ``kind`` holding
+    ``cache_lengths + kv_lens`` tokens (dense: plain arrays of floats)."""
+    name, scaled = storage
+    total = np.asarray(cache_lengths) + np.asarray(kv_lens)
+    if kind == "dense":
+        k, v, _, _ = make_cache(rng, "dense", total, hkv, d, np.float32)
+        return k.astype(dtype_of(name)), v.astype(dtype_of(name))
+    kb, vb, _, _, table = make_cache(rng, kind, total, hkv, d, np.float32,
+                                     page_size=page_size)
+    kb, k_scales = stored(kb, name, scaled, rng)
+    vb, v_scales = stored(vb, name, scaled, rng)
+    cls = PagedKVCache if kind == "paged" else ContinuousBatchingKVCache
+    lengths = np.asarray(cache_lengths, dtype=np.int64)
+    return cls(kb, lengths, table, k_scales), cls(vb, lengths, table, v_scales)
+
+
+def storage_id(storage):
+    return storage[0] + ("+scales" if storage[1] else "")
+
+
+def kinds_for(storage):
+    """Plain arrays carry no scales: quantized storage only in caches."""
+    return ("continuous", "paged") if storage[1] else ("dense", "continuous", "paged")
+
+
+def check(out, lse, ref_out, ref_lse, q_name, what):
+    assert out.dtype == dtype_of(q_name), what
+    assert_close(out.astype(np.float64), ref_out, np.float64, tol=OUT_TOL[q_name], what=what)
+    if lse is not None:
+        assert lse.dtype == dtypes.lse_dtype(dtype_of(q_name)), what
+        assert_close(lse, ref_lse, np.float64, tol=2e-4, what=what + " lse")
+
+
+# --------------------------------------------------------------------------------------
+# The operations.
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("storage", STORAGES, ids=storage_id)
+@pytest.mark.parametrize("q_name", Q_DTYPES)
+def test_flash_every_dtype_pair(storage, q_name, rng):
+    for kind in kinds_for(storage):
+        for group in (1, 4):
+            hkv, d = 2, 16
+            k, v = make_step(rng, kind, [3, 6] if kind != "dense" else [0, 0], [5, 5], hkv,
+                             d, storage)
+            q = randn(rng, (2, 5, hkv * group, d), np.float32).astype(dtype_of(q_name))
+            sinks = randn(rng, hkv * group, np.float32)
+            for mask in MASKS:
+                what = f"{kind} {storage_id(storage)} q {q_name} group {group} {mask}"
+                out, lse = numattn.flash_attention_kv_cache(
+                    q, k, v, mask, sink_weights=sinks, return_lse=True)
+                ref = reference.flash_attention_kv_cache(q, k, v, mask, sink_weights=sinks,
+                                                         return_lse=True)
+                check(out, lse, *ref, q_name, what)
+
+
+@pytest.mark.parametrize("storage", STORAGES, ids=storage_id)
+@pytest.mark.parametrize("q_name", Q_DTYPES)
+def test_decode_every_dtype_pair(storage, q_name, rng):
+    for kind in kinds_for(storage):
+        for group in (1, 3, 4):
+            hkv, d = 2, 40  # a vector tail
+            lengths = [0, 9, 33] if kind != "dense" else [0, 0, 0]
+            k, v = make_step(rng, kind, lengths, [1, 1, 1] if kind != "dense" else [37] * 3,
+                             hkv, d, storage)
+            q = randn(rng, (3, hkv * group, d), np.float32).astype(dtype_of(q_name))
+            for mask in (NullMask(), SlidingWindowCausalMask(5), ChunkedCausalMask(8)):
+                for parts in (1, 3):
+                    what = f"{kind} {storage_id(storage)} q {q_name} g{group} {mask} P{parts}"
+                    out, lse = numattn.decode_attention(q, k, v, mask, num_partitions=parts,
+                                                        return_lse=True)
+                    ref = reference.decode_attention(q, k, v, mask, return_lse=True)
+                    check(out, lse, *ref, q_name, what)
+
+
+@pytest.mark.parametrize("storage", STORAGES, ids=storage_id)
+def test_decode_long_caches_take_the_vector_paths(storage, rng):
+    """Tiles of many keys, all visible (the whole-tile and block sums) and partly masked."""
+    k, v = make_step(rng, "paged", [300, 517], [1, 1], 2, 64, storage, page_size=32)
+    q = randn(rng, (2, 8, 64), np.float32)
+    for mask in (NullMask(), SlidingWindowCausalMask(200)):
+        out = numattn.decode_attention(q, k, v, mask)
+        assert_close(out, reference.decode_attention(q, k, v, mask), np.float32,
+                     what=f"{storage_id(storage)} {mask}")
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
+def test_cross_attention_reads_stored_kv(name, rng):
+    """Plain K/V rows (which carry no scales) of every unscaled format."""
+    q = randn(rng, (7, 4, 16), np.float32)
+    kv = randn(rng, (2, 9, 2, 16), np.float32).astype(dtype_of(name))
+    q_offsets = np.array([0, 3, 7])
+    kv_offsets = np.array([0, 5, 9])
+    k, v = kv[0], kv[1]
+    out, lse = numattn.cross_attention(q, q_offsets, 4, k, v, kv_offsets, return_lse=True)
+    ref = reference.cross_attention(q, q_offsets, 4, k, v, kv_offsets, return_lse=True)
+    check(out, lse, *ref, "float32", name)
+
+
+def test_fully_masked_rows_and_empty_sequences(rng):
+    """No visible key: 0 and -inf (the sink with sinks), in every output dtype."""
+    k, v = make_step(rng, "paged", [0, 4], [2, 2], 1, 8, ("int8", True))
+    q = randn(rng, (2, 2, 2, 8), np.float32).astype(dtype_of("bfloat16"))
+    additive = np.zeros((2, 2, 6), np.float32)
+    additive[1, 0] = -np.inf
+    out, lse = numattn.flash_attention_kv_cache(q, k, v, additive, return_lse=True)
+    assert np.all(out[1, 0].astype(np.float32) == 0) and np.all(lse[1, 0] == -np.inf)
+    ref = reference.flash_attention_kv_cache(q, k, v, additive, return_lse=True)
+    check(out, lse, *ref, "bfloat16", "fully masked row")
+
+
+def test_outputs_go_where_asked(rng):
+    """``out=`` of q's dtype or float32; another dtype is refused before any work."""
+    k, v = make_step(rng, "paged", [5, 2], [1, 1], 2, 8, ("bfloat16", False))
+    q = randn(rng, (2, 4, 8), np.float32).astype(dtype_of("bfloat16"))
+    ref = numattn.decode_attention(q, k, v)
+    for dtype in (dtype_of("bfloat16"), np.float32):
+        out = np.full(q.shape, 7, dtype)
+        assert numattn.decode_attention(q, k, v, out=out) is out
+        assert_close(out.astype(np.float64), ref.astype(np.float64), np.float64, tol=1e-2)
+    out = np.full(q.shape, 7, np.float16)
+    with pytest.raises(TypeError, match="out must have dtype bfloat16 or float32"):
+        numattn.decode_attention(q, k, v, out=out)
+    assert np.all(out == 7)
+
+
+@pytest.mark.parametrize("storage", [("bfloat16", False), ("int8", True)], ids=storage_id)
+def test_plans_take_stored_caches(storage, rng):
+    """Plans over stored caches: queries of the plan's q_dtype (by default K/V's dtype for
+    16-bit K/V, float32 for 8-bit), results equal to the plain calls'."""
+    k, v = make_step(rng, "paged", [4, 11], [1, 1], 2, 16, storage)
+
+    def other(c):  # another layer's cache: new contents, the step's tables
+        return type(c)(np.ascontiguousarray(c.blocks[..., ::-1]), c.cache_lengths,
+                       c.lookup_table, c.scales)
+
+    layers = [(k, v), (other(k), other(v))]
+    q = randn(rng, (2, 4, 16), np.float32)
+    plan = DecodePlan(*layers[0], CausalMask(), q_dtype=np.float32)
+    for k, v in layers:
+        assert np.array_equal(plan.run(q, k, v), numattn.decode_attention(q, k, v, CausalMask()))
+    default = DecodePlan(*layers[0])
+    expected = dtype_of(storage[0]) if storage[0] == "bfloat16" else np.dtype(np.float32)
+    assert default._step.q_dtype == expected
+    if storage[0] == "bfloat16":
+        with pytest.raises(TypeError, match="plan's q_dtype bfloat16"):
+            default.run(q, *layers[0])
+    offsets = np.array([0, 1, 2])
+    flash = FlashPlan(*layers[0], CausalMask(), q_input_row_offsets=offsets, q_dtype=np.float32)
+    for k, v in layers:
+        assert np.array_equal(
+            flash.run(q, k, v),
+            numattn.flash_attention_kv_cache(q, k, v, CausalMask(), q_input_row_offsets=offsets))
+    k, v = layers[0]
+    if storage[1]:  # a layer without the plan's scales is refused
+        f8 = k.blocks.view(dtype_of("float8_e4m3fn"))
+        scaled = type(k)(f8, k.cache_lengths, k.lookup_table, k.scales)
+        bare = type(k)(f8, k.cache_lengths, k.lookup_table)
+        with pytest.raises(ValueError, match="k must have scales, as the plan's k had"):
+            DecodePlan(scaled, scaled, q_dtype=np.float32).run(q, bare, bare)
+
+
+def test_merge_states_of_16_bit_parts(rng):
+    q = randn(rng, (1, 3, 2, 8), np.float64).astype(dtype_of("bfloat16"))
+    kv = randn(rng, (2, 1, 10, 2, 8), np.float64)
+    full = reference.flash_attention_kv_cache(q, kv[0], kv[1], None, return_lse=True)
+    parts = [numattn.flash_attention_kv_cache(q, kv[0][:, a:b],
+                                              kv[1][:, a:b], None, return_lse=True)
+             for a, b in ((0, 4), (4, 10))]
+    out, lse = numattn.merge_states([p[0] for p in parts], [p[1] for p in parts])
+    assert out.dtype == dtype_of("bfloat16") and lse.dtype == np.float32
+    check(out, lse, *full, "bfloat16", "merged")
+
+
+# --------------------------------------------------------------------------------------
+# store_kv.
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cache_name", ["float32", "float16", "bfloat16", "float8_e4m3fn",
+                                        "float8_e5m2"])
+@pytest.mark.parametrize("rows_name", ["float64", "float32", "float16", "bfloat16"])
+def test_store_kv_rounds_as_ml_dtypes(cache_name, rows_name, rng):
+    """Round to nearest even, bit for bit as ml_dtypes casts; e4m3fn saturates at +-448."""
+    blocks = np.zeros((3, 4, 2, 8), dtype_of(cache_name))
+    cache = PagedKVCache(blocks, np.array([1, 0]), np.array([[0, 1], [2, 1]]))
+    wide = rng.standard_normal((5, 2, 8)) * np.array([1e-3, 1, 30, 500, 1e5, 1, 1, 2])
+    wide[0, 0, :3] = [np.inf, -np.inf, np.nan]
+    with np.errstate(over="ignore"):
+        rows = wide.astype(dtype_of(rows_name))
+    numattn.store_kv(cache, rows, np.array([0, 3, 5]))
+    expected = rows
+    if cache_name == "float8_e4m3fn":
+        expected = np.clip(rows.astype(np.float64), -448, 448)
+    with np.errstate(over="ignore"):
+        expected = np.asarray(expected).astype(dtype_of(cache_name))
+    got = np.concatenate([blocks[0, 1:4], blocks[2, 0:2]])
+    assert np.array_equal(got.view(np.uint8), expected.view(np.uint8))
+
+
+@pytest.mark.parametrize("name", ["int8", "float8_e4m3fn", "float8_e5m2"])
+def test_store_kv_quantizes_per_token_and_head(name, rng):
+    blocks = np.zeros((3, 4, 2, 8), dtype_of(name))
+    scales = np.full((3, 4, 2), np.nan, np.float32)
+    cache = PagedKVCache(blocks, np.array([1, 0]), np.array([[0, 1], [2, 1]]), scales)
+    before = blocks[0, 0].copy(), scales[0, 0].copy()
+    rows = randn(rng, (5, 2, 8), np.float32) * np.float32(3)
+    rows[1, 1] = 0  # an all-zero row: scale 0, stored zeros
+    numattn.store_kv(cache, rows, np.array([0, 3, 5]))
+    got = np.concatenate([blocks[0, 1:4], blocks[2, 0:2]]).astype(np.float64)
+    got_scales = np.concatenate([scales[0, 1:4], scales[2, 0:2]]).astype(np.float64)
+    limit = {"int8": 127, "float8_e4m3fn": 448, "float8_e5m2": 57344}[name]
+    assert np.allclose(got_scales, np.abs(rows).max(-1) / limit, rtol=1e-6)
+    step = {"int8": 0.5 / 127, "float8_e4m3fn": 2.0 ** -4, "float8_e5m2": 2.0 ** -3}[name]
+    assert np.all(np.abs(got * got_scales[..., None] - rows)
+                  <= step * np.abs(rows).max(-1, keepdims=True) + 1e-12)
+    assert np.array_equal(blocks[0, 0], before[0]) and np.isnan(scales[0, 0]).all()
+    k = PagedKVCache(blocks, np.array([4, 2]), np.array([[0, 1], [2, 1]]), scales)
+    q = randn(rng, (2, 2, 8), np.float32)
+    kk = PagedKVCache(blocks, np.array([3, 1]), np.array([[0, 1], [2, 1]]), scales)
+    assert_close(numattn.decode_attention(q, kk, kk), reference.decode_attention(q, kk, kk),
+                 np.float32)
+    assert k.scales is scales
+
+
+# --------------------------------------------------------------------------------------
+# Refusals.
+# --------------------------------------------------------------------------------------
+def test_refusals(rng):
+    blocks = np.zeros((2, 4, 1, 8), np.int8)
+    lengths, table = np.array([2]), np.array([[0, 1]])
+    with pytest.raises(ValueError, match="int8 blocks needs scales"):
+        PagedKVCache(blocks, lengths, table)
+    with pytest.raises(ValueError, match="scales are for int8 and float8"):
+        PagedKVCache(blocks.astype(np.float32), lengths, table, np.ones((2, 4, 1), np.float32))
+    with pytest.raises(TypeError, match="scales must be float32"):
+        PagedKVCache(blocks, lengths, table, np.ones((2, 4, 1)))
+    with pytest.raises(ValueError, match="scales must be 3-d"):
+        PagedKVCache(blocks, lengths, table, np.ones((2, 4), np.float32))
+    with pytest.raises(ValueError, match=r"shape blocks.shape\[:3\]"):
+        PagedKVCache(blocks, lengths, table, np.ones((2, 4, 2), np.float32))
+    q = randn(rng, (1, 2, 8), np.float32)
+    with pytest.raises(TypeError, match="int8 k and v need scales"):
+        numattn.decode_attention(q, np.zeros((1, 3, 1, 8), np.int8), np.zeros((1, 3, 1, 8),
+                                                                          np.int8))
+    k = PagedKVCache(blocks, lengths, table, np.ones((2, 4, 1), np.float32))
+    v = PagedKVCache(blocks.view(dtype_of("float8_e4m3fn")), lengths, table)
+    with pytest.raises(TypeError, match="same dtype"):
+        numattn.decode_attention(q, k, v)
+    with pytest.raises(TypeError, match="q must be float64, float32, float16 or bfloat16"):
+        numattn.decode_attention(q.astype(np.int8), k, k)
+    with pytest.raises(TypeError, match="new_rows must be of a float dtype"):
+        numattn.store_kv(k, np.zeros((1, 1, 8), np.int8), [0, 1])
+
+
+# --------------------------------------------------------------------------------------
+# Arrays from other libraries.
+# --------------------------------------------------------------------------------------
+def test_torch_tensors_are_read_in_place(rng):
+    torch = pytest.importorskip("torch", reason="needs torch (pip install .[bench])")
+    for torch_dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        pages = torch.from_numpy(randn(rng, (2, 5, 4, 2, 16), np.float32)).to(torch_dtype)
+        lengths, table = np.array([6, 9]), np.array([[0, 2, 4], [1, 3, 4]])
+        k = PagedKVCache(pages[0], lengths, table)
+        v = PagedKVCache(pages[1], lengths, table)
+        assert k.blocks.dtype == dtype_of(name)
+        assert k.blocks.ctypes.data == pages[0].data_ptr()  # the tensor's memory
+        q = torch.from_numpy(randn(rng, (2, 4, 16), np.float32)).to(torch_dtype)
+        out = numattn.decode_attention(q, k, v, CausalMask())
+        ref = reference.decode_attention(np.asarray(q.float()), k, v, CausalMask())
+        check(out, None, ref, None, name, f"torch {name}")
+        new = torch.from_numpy(randn(rng, (2, 2, 16), np.float32)).to(torch_dtype)
+        numattn.store_kv(k, new, np.array([0, 1, 2]))  # writes the tensor itself
+        assert torch.equal(pages[0][2, 2], new[0])  # sequence 0, token 6: page table[0, 1], slot 2
+        outs = numattn.flash_attention_kv_cache(q[:, None], k, v, CausalMask(),
+                                                q_input_row_offsets=None)
+        assert outs.shape == (2, 1, 4, 16)
+
+
+def test_a_strided_torch_view_is_read_through_its_strides(rng):
+    torch = pytest.importorskip("torch", reason="needs torch (pip install .[bench])")
+    pool = torch.from_numpy(randn(rng, (5, 2, 4, 2, 16), np.float32))
+    k = PagedKVCache(pool[:, 0], np.array([6]), np.array([[3, 1]]))
+    v = PagedKVCache(pool[:, 1], np.array([6]), np.array([[3, 1]]))
+    assert k.blocks.ctypes.data == pool.data_ptr()
+    q = randn(rng, (1, 4, 16), np.float32)
+    assert_close(numattn.decode_attention(q, k, v), reference.decode_attention(q, k, v),
+                 np.float32)
