@@ -25,7 +25,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..core.dtypes import ml_dtype
 from ..core.jit import body, cpu_jit, prange
+from .cli import STORAGE_DTYPES
 
 __all__ = [
     "BenchResult",
@@ -256,10 +258,13 @@ def _numpy_attention(q, k, v, causal):
     return out
 
 
-def _baseline(torch, q_bhsd, k_bhsd, v_bhsd, *, causal=False, mask=None):
-    """A callable running the baseline on BHSD copies made here, outside the timing."""
+def _baseline(torch, q_bhsd, k_bhsd, v_bhsd, *, causal=False, mask=None, dtype="float32"):
+    """``(name, callable)`` running the baseline on BHSD copies made here, outside the
+    timing: torch SDPA in ``dtype`` (float32 for the 8-bit dtypes, which it lacks)."""
     if torch is not None:
-        qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(x)) for x in (q_bhsd, k_bhsd, v_bhsd))
+        torch_dtype = _torch_dtype(torch, dtype) or torch.float32
+        qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(x)).to(torch_dtype)
+                      for x in (q_bhsd, k_bhsd, v_bhsd))
         mt = None if mask is None else torch.from_numpy(mask)
         sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -268,17 +273,58 @@ def _baseline(torch, q_bhsd, k_bhsd, v_bhsd, *, causal=False, mask=None):
                 return sdpa(qt, kt, vt, attn_mask=mt, is_causal=causal and mt is None,
                             enable_gqa=True)
 
-        return "torch SDPA", run
-    return "NumPy", lambda: _numpy_attention(q_bhsd, k_bhsd, v_bhsd, causal)
+        return f"torch SDPA {str(torch_dtype).removeprefix('torch.')}", run
+    return "NumPy float32", lambda: _numpy_attention(q_bhsd, k_bhsd, v_bhsd, causal)
 
 
-def _cases(quick):
+#: ``--dtype`` choices: K/V storage (queries too for the 16-bit formats)
+DTYPES = STORAGE_DTYPES
+
+
+def _stored(x, name):
+    """Float32 ``x`` stored as ``name``: ``(array, scales or None)``; int8 quantized with one
+    scale per row of the last axis."""
+    if name == "int8":
+        scales = (np.abs(x).max(axis=-1) / 127).astype(np.float32)
+        scales[scales == 0] = 1
+        return np.rint(x / scales[..., None]).astype(np.int8), scales
+    return x.astype(ml_dtype(name) if name not in ("float32", "float16") else name), None
+
+
+def _query_dtype(name):
+    """Queries go with 16-bit K/V in their dtype, else float32."""
+    return ml_dtype(name) if name == "bfloat16" else np.dtype(
+        "float16" if name == "float16" else "float32")
+
+
+def _torch_dtype(torch, name):
+    """torch's dtype for ``name``, or None where SDPA has none (8-bit)."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}.get(name)
+
+
+def _cases(quick, dtype="float32"):
     """(name, builder) pairs; a builder returns (numattn fn, baseline (name, fn) or None,
-    work, metric, note)."""
+    work, metric, note).  K/V are stored as ``dtype`` (queries too for 16-bit dtypes)."""
     import numattn
 
     rng = np.random.default_rng(0)
     f32 = np.float32
+    q_dtype = _query_dtype(dtype)
+    itemsize = _stored(np.ones((1, 1), f32), dtype)[0].itemsize  # bytes per stored element
+
+    def store(blocks):
+        """K or V blocks ``[pages, page_size, Hkv, D]`` (float32) as stored."""
+        return _stored(blocks, dtype)
+
+    def dense_kv(k, v):
+        """Plain K/V, or for int8 (which needs scales) a one-block cache of each."""
+        (kb, ks), (vb, vs) = store(k), store(v)
+        if ks is None:
+            return kb, vb
+        lengths, table = np.zeros(k.shape[0], np.int64), np.arange(k.shape[0])
+        return (numattn.ContinuousBatchingKVCache(kb, lengths, table, ks),
+                numattn.ContinuousBatchingKVCache(vb, lengths, table, vs))
 
     def prefill(s, window=None, baseline=True):
         def build(torch):
@@ -288,8 +334,10 @@ def _cases(quick):
             v = rng.standard_normal((1, s, hkv, d)).astype(f32)
             mask = numattn.CausalMask() if window is None else numattn.SlidingWindowCausalMask(
                 window)
-            out = np.empty_like(q)
-            fn = lambda: numattn.flash_attention_kv_cache(q, k, v, mask, out=out)  # noqa: E731
+            qs = q.astype(q_dtype)
+            ks, vs = dense_kv(k, v)
+            out = np.empty_like(qs)
+            fn = lambda: numattn.flash_attention_kv_cache(qs, ks, vs, mask, out=out)  # noqa: E731
             flops = _attention_flops(h, d, _causal_pairs(s, s, window))
             base = None
             if baseline:
@@ -298,7 +346,8 @@ def _cases(quick):
                     i = np.arange(s)
                     bool_mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
                 base = _baseline(torch, q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
-                                 v.transpose(0, 2, 1, 3), causal=True, mask=bool_mask)
+                                 v.transpose(0, 2, 1, 3), causal=True, mask=bool_mask,
+                                 dtype=dtype)
             return fn, base, flops, "GFLOP/s", f"B=1 H={h} Hkv={hkv} S={s} D={d}"
         return build
 
@@ -311,18 +360,21 @@ def _cases(quick):
                  rng.standard_normal((n, hkv, d)).astype(f32)) for n in lengths]
         kb, vb, table, cls = _paged_copy(rng, rows, 128)
         zeros = np.zeros(len(lengths), np.int64)
-        k, v = cls(kb, zeros, table), cls(vb, zeros, table)
-        out = np.empty_like(q)
+        (kb, k_scales), (vb, v_scales) = store(kb), store(vb)
+        k, v = cls(kb, zeros, table, k_scales), cls(vb, zeros, table, v_scales)
+        qs = q.astype(q_dtype)
+        out = np.empty_like(qs)
         fn = lambda: numattn.flash_attention_kv_cache(  # noqa: E731
-            q, k, v, numattn.CausalMask(), q_input_row_offsets=offsets, out=out)
+            qs, k, v, numattn.CausalMask(), q_input_row_offsets=offsets, out=out)
         flops = sum(_attention_flops(h, d, _causal_pairs(n, n)) for n in lengths)
         base = None
         if torch is not None:
             per_seq = [_baseline(torch, q[a:b][None].transpose(0, 2, 1, 3),
                                  rows[i][0][None].transpose(0, 2, 1, 3),
-                                 rows[i][1][None].transpose(0, 2, 1, 3), causal=True)[1]
+                                 rows[i][1][None].transpose(0, 2, 1, 3), causal=True,
+                                 dtype=dtype)
                        for i, (a, b) in enumerate(itertools.pairwise(offsets))]
-            base = ("torch SDPA per sequence", lambda: [f() for f in per_seq])
+            base = (per_seq[0][0] + " per sequence", lambda: [f() for _, f in per_seq])
         return fn, base, flops, "GFLOP/s", f"8 seqs {lengths[0]}..{lengths[-1]}, pages of 128"
 
     def decode(batch, n):
@@ -333,13 +385,15 @@ def _cases(quick):
                      rng.standard_normal((n, hkv, d)).astype(f32)) for _ in range(batch)]
             kb, vb, table, cls = _paged_copy(rng, rows, 128)
             lengths = np.full(batch, n - 1, np.int64)
-            k, v = cls(kb, lengths, table), cls(vb, lengths, table)
-            out = np.empty_like(q)
-            fn = lambda: numattn.decode_attention(q, k, v, out=out)  # noqa: E731
-            bytes_read = 2.0 * batch * n * hkv * d * 4
+            (kb, k_scales), (vb, v_scales) = store(kb), store(vb)
+            k, v = cls(kb, lengths, table, k_scales), cls(vb, lengths, table, v_scales)
+            qs = q.astype(q_dtype)
+            out = np.empty_like(qs)
+            fn = lambda: numattn.decode_attention(qs, k, v, out=out)  # noqa: E731
+            bytes_read = 2.0 * batch * n * hkv * d * itemsize
             kd = np.stack([r[0] for r in rows]).transpose(0, 2, 1, 3)
             vd = np.stack([r[1] for r in rows]).transpose(0, 2, 1, 3)
-            base = _baseline(torch, q[:, :, None, :], kd, vd)
+            base = _baseline(torch, q[:, :, None, :], kd, vd, dtype=dtype)
             return fn, base, bytes_read, "GB/s", f"B={batch} H={h} Hkv={hkv} N={n} D={d} paged 128"
         return build
 
@@ -351,14 +405,16 @@ def _cases(quick):
         v = rng.standard_normal((batch * nk, hkv, d)).astype(f32)
         qo = np.arange(batch + 1) * nq
         ko = np.arange(batch + 1) * nk
-        out = np.empty_like(q)
-        fn = lambda: numattn.cross_attention(q, qo, nq, k, v, ko, out=out)  # noqa: E731
+        qs = q.astype(q_dtype)
+        ks, vs = (k, v) if dtype == "int8" else (store(k)[0], store(v)[0])
+        out = np.empty_like(qs)
+        fn = lambda: numattn.cross_attention(qs, qo, nq, ks, vs, ko, out=out)  # noqa: E731
         flops = batch * _attention_flops(h, d, nq * nk)
         keep = np.ones((batch, 1, nq, nk), bool)  # padded batch with a boolean mask
         base = _baseline(torch, q.reshape(batch, nq, h, d).transpose(0, 2, 1, 3),
                          k.reshape(batch, nk, hkv, d).transpose(0, 2, 1, 3),
                          v.reshape(batch, nk, hkv, d).transpose(0, 2, 1, 3),
-                         mask=keep if torch is not None else None)
+                         mask=keep if torch is not None else None, dtype=dtype)
         return fn, base, flops, "GFLOP/s", f"{batch} x {nq} queries, {nk} keys, H=16 Hkv=4 D=64"
 
     s = 2048 if not quick else 512
@@ -376,7 +432,7 @@ def _cases(quick):
     ]
 
 
-def run_bench(*, quick=False, only=None, repeat=None, progress=None):
+def run_bench(*, quick=False, only=None, repeat=None, progress=None, dtype="float32"):
     """Run the benchmark cases and measure this machine's limits in the same run.
 
     Parameters
@@ -389,6 +445,10 @@ def run_bench(*, quick=False, only=None, repeat=None, progress=None):
         Timed runs per case (the median is reported).
     progress : callable, optional
         Called as ``progress(done, total, case_name)``.
+    dtype : str
+        K/V storage of every case (one of :data:`DTYPES`; queries too for 16-bit dtypes);
+        GB/s count the stored bytes.  The baseline runs torch SDPA in that dtype (float32
+        for the 8-bit ones, which it lacks).
 
     Returns
     -------
@@ -402,7 +462,9 @@ def run_bench(*, quick=False, only=None, repeat=None, progress=None):
     ValueError
         If ``only`` matches no case (before anything is measured).
     """
-    all_cases = _cases(quick)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    all_cases = _cases(quick, dtype)
     cases = [(n, b) for n, b in all_cases if not only or any(o in n for o in only)]
     if not cases:
         names = ", ".join(repr(n) for n, _ in all_cases)
@@ -486,20 +548,23 @@ def main(args) -> int:
 
     try:
         limits, results = run_bench(quick=args.quick, only=args.only, repeat=args.repeat,
-                                    progress=progress)
+                                    progress=progress, dtype=args.dtype)
     except ValueError as exc:
         print(f"numattn bench: error: {exc}", file=sys.stderr)
         return 2
     print(f"machine: {limits['cores']} cores, float32 GEMM {limits['gemm_gflops']:.0f} GFLOP/s, "
-          f"read bandwidth {limits['read_gbs']:.1f} GB/s, torch {limits['torch'] or 'absent'}")
+          f"read bandwidth {limits['read_gbs']:.1f} GB/s, torch {limits['torch'] or 'absent'}; "
+          f"K/V stored as {args.dtype}")
+    print("limit: the machine's float32 GEMM GFLOP/s for GFLOP/s cases, its read GB/s (measured "
+          "in the case's rounds) for GB/s cases; speedup: baseline time / numattn time")
     header = (f"{'case':<34} {'median ms':>10} {'rate':>14} {'of limit':>9} {'limit':>7} "
-              f"{'baseline':>24} {'speedup':>8}")
+              f"{'baseline':>32} {'speedup':>8}")
     print(header)
     print("-" * len(header))
     for r in results:
         speed = "-" if r.speedup is None else f"{r.speedup:.2f}x"
         print(f"{r.name:<34} {r.seconds * 1e3:>10.2f} {r.rate:>8.1f} {r.metric:<5} "
-              f"{100 * r.fraction_of_limit:>8.0f}% {r.limit:>7.1f} {r.baseline:>24} {speed:>8}")
+              f"{100 * r.fraction_of_limit:>8.0f}% {r.limit:>7.1f} {r.baseline:>32} {speed:>8}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"limits": limits,

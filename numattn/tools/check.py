@@ -1,9 +1,10 @@
 """``python -m numattn check``: every operation, on every backend here, against the reference.
 
-Runs random problems covering masks, cache types, GQA, sinks and both dtypes through each
-operation on the CPU, and through the CUDA kernels when a GPU or the CUDA simulator
-(``NUMBA_ENABLE_CUDASIM=1``) is present; compares each result with :mod:`numattn.reference`
-and prints a table.  Exit status 1 on any failure.
+Runs random problems covering masks, cache types, GQA, sinks, float32 and float64, and
+bfloat16, float8 and int8 caches read as stored, through each operation on the CPU, and
+through the CUDA kernels when a GPU or the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) is
+present; compares each result with :mod:`numattn.reference` and prints a table.  Exit
+status 1 on any failure.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from .. import reference
 from ..core import device as _cuda
+from ..core.dtypes import ml_dtype
 from ..kv_cache import ContinuousBatchingKVCache, PagedKVCache
 from ..masks import (
     CausalMask,
@@ -26,7 +28,8 @@ from ..masks import (
 
 __all__ = ["CheckResult", "run_checks"]
 
-TOLERANCE = {np.dtype(np.float32): 2e-4, np.dtype(np.float64): 1e-9}
+#: relative tolerance by the result's dtype
+TOLERANCE = {"float32": 2e-4, "float64": 1e-9, "bfloat16": 1.6e-2}
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,23 @@ def _caches(rng, kind, cache_lengths, kv_lens, hkv, d, dtype, page_size=8):
             ContinuousBatchingKVCache(vc, cache_lengths, blocks))
 
 
+def _stored_caches(k, v, name):
+    """``k`` and ``v`` (float32 caches) stored as ``name``: rounded, or for int8 quantized
+    with one scale per (slot, KV head); NaN in unused slots stays NaN (garbage with a NaN
+    scale for int8)."""
+    caches = []
+    for c in (k, v):
+        if name == "int8":
+            scales = (np.abs(np.nan_to_num(c.blocks)).max(axis=-1) / 127).astype(np.float32)
+            scales[scales == 0] = 1
+            blocks = np.rint(np.nan_to_num(c.blocks) / scales[..., None]).astype(np.int8)
+            scales[np.isnan(c.blocks).any(axis=-1)] = np.nan
+        else:
+            blocks, scales = c.blocks.astype(ml_dtype(name)), None
+        caches.append(type(c)(blocks, c.cache_lengths, c.lookup_table, scales))
+    return caches
+
+
 def _flash_cases(rng):
     from .. import flash_attention_kv_cache as op
 
@@ -139,6 +159,18 @@ def _flash_cases(rng):
         lambda: op(qw, kw, vw, CausalMask(), q_input_row_offsets=offsets_w)), (
         lambda: reference.flash_attention_kv_cache(qw, kw, vw, CausalMask(),
                                                    q_input_row_offsets=offsets_w))
+    # 16-bit queries over a bfloat16 cache, and float32 ones over an int8 cache with scales
+    bf16 = ml_dtype("bfloat16")
+    kb, vb = _stored_caches(kc, vc, "bfloat16")
+    qb = qr.astype(bf16)
+    yield "ragged paged window+sinks bf16/bf16", bf16, (
+        lambda: op(qb, kb, vb, mask, q_input_row_offsets=offsets, sink_weights=sinks)), (
+        lambda: reference.flash_attention_kv_cache(qb, kb, vb, mask, q_input_row_offsets=offsets,
+                                                   sink_weights=sinks))
+    k8, v8 = _stored_caches(kc, vc, "int8")
+    yield "ragged paged window f32/int8", f32, (
+        lambda: op(qr, k8, v8, mask, q_input_row_offsets=offsets)), (
+        lambda: reference.flash_attention_kv_cache(qr, k8, v8, mask, q_input_row_offsets=offsets))
 
 
 def _decode_cases(rng, device):
@@ -169,6 +201,14 @@ def _decode_cases(rng, device):
     yield "paged causal, worker threads f32", f32, (
         lambda: op(qw, kw, vw, CausalMask(), device=device)), (
         lambda: reference.decode_attention(qw, kw, vw, CausalMask()))
+    if device != "cpu":
+        return
+    for name, short in (("bfloat16", "bf16"), ("float8_e4m3fn", "e4m3"),
+                        ("float8_e5m2", "e5m2"), ("int8", "int8")):  # read as stored
+        ks, vs = _stored_caches(kw, vw, name)
+        yield f"paged causal, worker threads f32/{short}", f32, (
+            lambda ks=ks, vs=vs: op(qw, ks, vs, CausalMask(), device=device)), (
+            lambda ks=ks, vs=vs: reference.decode_attention(qw, ks, vs, CausalMask()))
 
 
 def _cross_cases(rng, device):
@@ -259,7 +299,7 @@ def run_checks(seed=0, *, cuda=None, report=None):
             except Exception as exc:  # a crash is a failure with its reason
                 case = f"{case} [{type(exc).__name__}: {exc}]"
                 err = float("inf")
-            row = CheckResult(operation, backend, case, err, TOLERANCE[np.dtype(dtype)])
+            row = CheckResult(operation, backend, case, err, TOLERANCE[np.dtype(dtype).name])
             rows.append(row)
             if report is not None:
                 report(row)

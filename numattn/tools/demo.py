@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import reference
+from ..core.dtypes import ml_dtype
 from ..kv_cache import PagedKVCache, store_kv
 from ..masks import CausalMask
 
@@ -48,6 +49,7 @@ class DemoResult:
     max_error: float
     attention_calls: int
     errors: list = field(default_factory=list)
+    tolerance: float = 2e-4  # of max_error, for the results' dtype (TOLERANCE)
 
     @property
     def tokens_per_second(self) -> float:
@@ -113,7 +115,13 @@ class _Decoder:
         return _rms_norm(x) @ self.unembed
 
 
-def run_demo(*, batch=4, new_tokens=32, seed=0, model=None, check=True, progress=None):
+#: Largest error against the reference by the cache's dtype: 16-bit caches give 16-bit
+#: results (the attention's inputs are the activations rounded to them).
+TOLERANCE = {"bfloat16": 1.6e-2, "float16": 2e-3}
+
+
+def run_demo(*, batch=4, new_tokens=32, seed=0, model=None, check=True, progress=None,
+             dtype="float32"):
     """Prefill a ragged batch of prompts into a paged cache and generate ``new_tokens`` each.
 
     Parameters
@@ -130,6 +138,10 @@ def run_demo(*, batch=4, new_tokens=32, seed=0, model=None, check=True, progress
         Compare every attention call with :mod:`numattn.reference`.
     progress : callable, optional
         Called as ``progress(step, total)`` after each generated token.
+    dtype : str
+        The KV cache's dtype: float32, bfloat16 or float16 (then also the queries'), or
+        float8_e4m3fn, float8_e5m2 or int8 (quantized by :func:`numattn.store_kv`, with
+        scales; float32 queries).  The reference reads the stored values.
 
     Returns
     -------
@@ -162,17 +174,22 @@ def run_demo(*, batch=4, new_tokens=32, seed=0, model=None, check=True, progress
     table = rng.permutation(num_pages).reshape(batch, pages_per_seq)  # pages in any order
     cache_lengths = np.zeros(batch, dtype=np.int64)
     shape = (num_pages, m.page_size, m.num_kv_heads, m.head_dim)
-    caches = [
-        (PagedKVCache(np.full(shape, np.nan, np.float32), cache_lengths, table),
-         PagedKVCache(np.full(shape, np.nan, np.float32), cache_lengths, table))
-        for _ in range(m.num_layers)
-    ]
+    storage = np.dtype(dtype) if dtype in ("float32", "float16", "int8") else ml_dtype(dtype)
+    scaled = dtype == "int8"  # float8 caches store the rounded values, int8 quantizes
+    q_dtype = storage if dtype in ("bfloat16", "float16") else np.dtype(np.float32)
+
+    def pool():  # unused slots: NaN (garbage with NaN scales for int8)
+        blocks = np.zeros(shape, storage) if scaled else np.full(shape, np.nan, storage)
+        scales = np.full(shape[:3], np.nan, np.float32) if scaled else None
+        return PagedKVCache(blocks, cache_lengths, table, scales)
+
+    caches = [(pool(), pool()) for _ in range(m.num_layers)]
     mask = CausalMask()
     errors = []
 
     def compare(got, ref):
         if check:
-            errors.append(float(np.max(np.abs(got - ref), initial=0.0)))
+            errors.append(float(np.max(np.abs(got.astype(np.float64) - ref), initial=0.0)))
 
     # Prefill: all prompts at once, ragged.
     start = time.perf_counter()
@@ -180,13 +197,14 @@ def run_demo(*, batch=4, new_tokens=32, seed=0, model=None, check=True, progress
     x = net.embed[tokens]
     for layer, (k_cache, v_cache) in zip(net.layers, caches):
         q, k_new, v_new = net.qkv(layer, x, positions)
+        q = q.astype(q_dtype)
         store_kv(k_cache, k_new, offsets)
         store_kv(v_cache, v_new, offsets)
         attn = flash_attention_kv_cache(q, k_cache, v_cache, mask, q_input_row_offsets=offsets)
         if check:
             compare(attn, reference.flash_attention_kv_cache(
                 q, k_cache, v_cache, mask, q_input_row_offsets=offsets))
-        x = net.finish(layer, x, attn)
+        x = net.finish(layer, x, attn.astype(np.float32))
     cache_lengths += np.asarray(prompt_lengths)
     last = x[offsets[1:] - 1]
     next_token = np.argmax(net.logits(last), axis=-1)
@@ -204,6 +222,7 @@ def run_demo(*, batch=4, new_tokens=32, seed=0, model=None, check=True, progress
         positions = cache_lengths.copy()
         for layer, (k_cache, v_cache) in zip(net.layers, caches):
             q, k_new, v_new = net.qkv(layer, x, positions)
+            q = q.astype(q_dtype)
             store_kv(k_cache, k_new, step_offsets)
             store_kv(v_cache, v_new, step_offsets)
             attn = decode_attention(q, k_cache, v_cache, mask)
@@ -211,7 +230,7 @@ def run_demo(*, batch=4, new_tokens=32, seed=0, model=None, check=True, progress
             if check:
                 compare(attn, reference.decode_attention(q, k_cache, v_cache, mask))
             start = time.perf_counter()
-            x = net.finish(layer, x, attn)
+            x = net.finish(layer, x, attn.astype(np.float32))
         cache_lengths += 1
         next_token = np.argmax(net.logits(x), axis=-1)
         step_seconds.append(elapsed + time.perf_counter() - start)
@@ -226,4 +245,5 @@ def run_demo(*, batch=4, new_tokens=32, seed=0, model=None, check=True, progress
         max_error=max(errors, default=0.0),
         attention_calls=m.num_layers * (1 + new_tokens),
         errors=errors,
+        tolerance=TOLERANCE.get(dtype, 2e-4),
     )
