@@ -50,7 +50,7 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
     Parameters
     ----------
     q : array [T, H, D]
-        Queries of all sequences, concatenated; float32 or float64.
+        Queries of all sequences, concatenated; float64, float32, float16 or bfloat16.
     q_input_row_offsets : int array [B + 1]
         Ragged split of ``q`` (``0``, non-decreasing, ending at ``T``).
     q_max_seq_len : int
@@ -60,7 +60,8 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
         Ragged new rows split by ``kv_input_row_offsets``; a dense array whose first
         ``kv_len(b)`` rows of sequence ``b`` are its keys (all ``N`` without offsets); or a
         cache whose ``cache_lengths`` count the tokens before this step, the new rows being
-        stored right after them.  Same dtype as ``q``.
+        stored right after them.  Both of one dtype: q's, float8 or int8 (in a cache with
+        scales), read as stored.
     kv_input_row_offsets : int array [B + 1] or None
         Ragged split of the new K/V rows, giving ``kv_len(b)``; ``None`` means
         ``kv_len = q_len`` (for dense arrays: all ``N`` rows).
@@ -74,7 +75,8 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
         ``"auto"`` runs on CUDA when an input is a device array.  Device arrays are used in
         place; NumPy inputs with ``device="cuda"`` are copied over and the result back.
     out : array [T, H, D], optional
-        Written in place and returned (C-contiguous, ``q``'s dtype).  It must not share
+        Written in place and returned (C-contiguous, ``q``'s dtype or float32).  It must
+        not share
         memory with ``q``, ``k``, ``v`` or the mask's tensor (``ValueError``).
     return_lse : bool, default False
         Also return the natural-log log-sum-exp of the scores, ``[T, H]``.

@@ -57,11 +57,13 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
     Parameters
     ----------
     q : ndarray, shape [B, H, D]
-        The queries, float32 or float64 (a CUDA device array with ``device="cuda"``).
+        The queries: float64, float32, float16 or bfloat16 (float32 or float64 as a CUDA
+        device array with ``device="cuda"``).
     k, v : PagedKVCache, ContinuousBatchingKVCache, or ndarray [B, N, Hkv, D]
         Keys and values: two cache objects sharing ``cache_lengths`` and ``lookup_table``,
         or dense arrays (every sequence has ``N`` keys).  ``H % Hkv == 0``; query head ``h``
-        reads KV head ``h // (H // Hkv)``.  Same dtype as ``q``.
+        reads KV head ``h // (H // Hkv)``.  Both of one dtype: q's, float8 or int8 (in a
+        cache with scales), read as stored ("Storage dtypes" in the concepts page).
     mask : Mask or ndarray, default NullMask()
         Which keys each query sees.  An additive tensor (``MaterializedMask`` or a plain
         array) is ``[1, N]``, ``[B, 1, N]`` or ``[B, H, 1, N]``: one query row per sequence.
@@ -78,7 +80,8 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
         inputs are copied to the GPU and the results back; device arrays are used in place
         and the results stay on the device.
     out : ndarray, shape [B, H, D], optional
-        Written in place and returned (C-contiguous, the queries' dtype), once every key has
+        Written in place and returned (C-contiguous, the queries' dtype or float32), once
+        every key has
         been read: it may be ``q`` or share memory with ``k`` and ``v``, but not with
         ``sink_weights`` (``ValueError``).
     return_lse : bool, default False
@@ -159,6 +162,9 @@ class DecodePlan:
         :func:`decode_attention` does.
     config : MHAConfig, optional
         As :func:`decode_attention` takes it.
+    q_dtype : dtype, optional
+        The dtype of every layer's queries; by default K/V's dtype for float64, float32,
+        float16 and bfloat16 K/V, and float32 for float8 and int8 ones.
 
     Raises
     ------

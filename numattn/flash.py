@@ -57,13 +57,16 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
 
     Parameters
     ----------
-    q : ndarray, float32 or float64
+    q : ndarray, float64, float32, float16 or bfloat16
         Padded queries ``[B, S, H, D]``, or ragged ``[T, H, D]`` together with
-        ``q_input_row_offsets``.
+        ``q_input_row_offsets``.  (Tensors of other libraries: see "Storage dtypes" in
+        the concepts page.)
     k, v : ndarray, ContinuousBatchingKVCache or PagedKVCache
-        Keys and values, of ``q``'s dtype: dense ``[B, N, Hkv, D]`` arrays (padded queries;
-        ``num_keys = N``), ragged ``[T_kv, Hkv, D]`` arrays (ragged queries; split by
-        ``kv_input_row_offsets``, else by ``q_input_row_offsets``), or two caches that
+        Keys and values, both of one dtype: q's, float8 or int8 (in a cache with scales),
+        read as stored (float32 arithmetic unless q and K/V are float64): dense
+        ``[B, N, Hkv, D]`` arrays (padded queries; ``num_keys = N``), ragged
+        ``[T_kv, Hkv, D]`` arrays (ragged queries; split by ``kv_input_row_offsets``, else
+        by ``q_input_row_offsets``), or two caches that
         hold ``cache_lengths[b]`` earlier tokens followed by this step's ``kv_len(b)`` new
         rows (``kv_len = S`` for padded queries; for ragged ones the lengths given by
         ``kv_input_row_offsets``, else by ``q_input_row_offsets``).
@@ -81,7 +84,8 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     sink_weights : ndarray [H], optional
         One sink logit per query head, counted once in each row's softmax denominator.
     out : ndarray, optional
-        C-contiguous array of ``q``'s shape and dtype, written in place and returned.  It
+        C-contiguous array of ``q``'s shape and dtype (or float32), written in place and
+        returned.  It
         may be ``q`` itself, but must not share memory with ``k``, ``v``, the mask's
         tensor or ``sink_weights``, nor overlap ``q`` otherwise (``ValueError``).
     return_lse : bool, default False
@@ -92,7 +96,8 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     Returns
     -------
     out : ndarray
-        Same shape and dtype as ``q``; rows with no visible key are 0.
+        Same shape and dtype as ``q``; rows with no visible key are 0.  Float32 or float64
+        arithmetic rounded to q's dtype.
     lse : ndarray
         Only with ``return_lse=True``: ``-inf`` (or the sink logit) for rows with no
         visible key.
@@ -178,6 +183,9 @@ class FlashPlan:
         New K/V rows per sequence, as :func:`flash_attention_kv_cache` takes them.
     config : MHAConfig, optional
         As :func:`flash_attention_kv_cache` takes it.
+    q_dtype : dtype, optional
+        The dtype of every layer's queries; by default K/V's dtype for float64, float32,
+        float16 and bfloat16 K/V, and float32 for float8 and int8 ones.
 
     Raises
     ------
