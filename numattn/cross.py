@@ -137,10 +137,13 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
     if problem.device == "cuda":
         from .kernels.cuda.flash import run_cross_cuda
 
-        return run_cross_cuda(problem)
-    from .kernels.cpu.flash import run_flash_cpu
+        returned = run_cross_cuda(problem)
+        result, lse = returned if problem.return_lse else (returned, None)
+    else:
+        from .kernels.cpu.flash import run_flash_cpu
 
-    result, lse = finish_result(problem, *run_flash_cpu(problem))
+        result, lse = run_flash_cpu(problem)
+    result, lse = finish_result(problem, result, lse)
     return (result, lse) if return_lse else result
 
 

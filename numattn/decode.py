@@ -306,7 +306,7 @@ def _run(problem, num_partitions, launch):
     if problem.device == "cuda":
         from .kernels.cuda.split_k import run_decode_cuda
 
-        return run_decode_cuda(problem, num_partitions)
+        return finish_result(problem, *run_decode_cuda(problem, num_partitions))
     from .kernels.cpu.split_k import decode_launch, run_decode_cpu
 
     if launch is None:

@@ -524,17 +524,24 @@ def test_cuda_rejects_non_contiguous_device_arrays(rng):
 # --------------------------------------------------------------------------------------
 # PTX for a real target (cc 9.0): catches typing errors the simulator cannot see.
 # --------------------------------------------------------------------------------------
-# float32 covers the kernels' paths; float64 compiles them again (slow)
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
-def test_kernel_compiles_to_ptx(dtype, ptx_compiler):
+# float32 covers the kernels' paths, uint8 (float8 bits) the widening of stored K/V; the
+# other dtypes compile them again (slow)
+@pytest.mark.parametrize("dtype, storage", [
+    ("float32", "float32"), ("float32", "uint8"),
+    *(pytest.param("float32", storage, marks=pytest.mark.slow)
+      for storage in ("uint16", "int16", "int8")),
+    pytest.param("float64", "float64", marks=pytest.mark.slow)])
+def test_kernel_compiles_to_ptx(dtype, storage, ptx_compiler):
     from numba import types
 
     ft = getattr(types, dtype)
+    kv = getattr(types, storage)[:, :, ::1]
     idx1, idx2 = types.int64[::1], types.int64[:, ::1]
+    scales = types.float32[:, ::1]
     signature = (
-        ft[:, :, ::1], idx1, idx1, idx1, ft[:, :, ::1], ft[:, :, ::1], types.int64, idx2,
-        idx1, idx1, idx2, ft[:, :, :, ::1], types.boolean, ft, types.int64, types.int64,
-        types.int64, types.int64, ft[:, :, ::1], ft[:, ::1], types.boolean,
+        ft[:, :, ::1], idx1, idx1, idx1, kv, kv, types.int64, idx2, idx1, idx1, scales, scales,
+        types.int64, types.boolean, idx2, ft[:, :, :, ::1], types.boolean, ft, types.int64,
+        types.int64, types.int64, types.int64, ft[:, :, ::1], ft[:, ::1], types.boolean,
     )
     ptx = ptx_compiler(internals.cross_attention_cuda_kernel, signature)
     assert "bar.sync" in ptx

@@ -757,9 +757,14 @@ def test_cuda_groups_larger_than_a_block_of_threads(rng):
     assert_close(lse, ref_lse, dtype, what="lse")
 
 
-# float32 covers the kernels' paths; float64 compiles them again (slow)
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
-def test_every_cuda_kernel_compiles_to_ptx(ptx_compiler, dtype):
+# float32 covers the kernels' paths, uint8 (float8 bits) the widening of stored K/V; the
+# other dtypes compile them again (slow)
+@pytest.mark.parametrize("dtype, storage", [
+    ("float32", "float32"), ("float32", "uint8"),
+    *(pytest.param("float32", storage, marks=pytest.mark.slow)
+      for storage in ("uint16", "int16", "int8")),
+    pytest.param("float64", "float64", marks=pytest.mark.slow)])
+def test_every_cuda_kernel_compiles_to_ptx(ptx_compiler, dtype, storage):
     from numba import types
 
     real = getattr(types, dtype)
@@ -768,9 +773,11 @@ def test_every_cuda_kernel_compiles_to_ptx(ptx_compiler, dtype):
         return types.Array(of, ndim, "C")
 
     index = types.int64
+    kv, scales = arr(4, getattr(types, storage)), arr(3, types.float32)
     partitions = (
-        arr(3), arr(4), arr(4), index, arr(2, index), arr(1, index), arr(1, index),
-        arr(2, index), arr(4), types.boolean, real, index, index, index, arr(3), arr(3), arr(4),
+        arr(3), kv, kv, index, arr(2, index), arr(1, index), arr(1, index), scales, scales,
+        index, types.boolean, arr(2, index), arr(4), types.boolean, real, index, index, index,
+        arr(3), arr(3), arr(4),
     )
     ptx_compiler(internals.decode_partitions_cuda, partitions)
     reduce = (arr(3), arr(3), arr(4), arr(1), types.boolean, arr(3), arr(2))

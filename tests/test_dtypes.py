@@ -27,6 +27,7 @@ from numattn import (
 )
 from numattn.core import dtypes
 
+from .conftest import CPU_PATHS, CUDA_MARKS, use_device
 from .utils import assert_close, make_cache, randn
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -102,9 +103,11 @@ def check(out, lse, ref_out, ref_lse, q_name, what):
 # --------------------------------------------------------------------------------------
 # The operations.
 # --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", CPU_PATHS)
 @pytest.mark.parametrize("storage", STORAGES, ids=storage_id)
 @pytest.mark.parametrize("q_name", Q_DTYPES)
-def test_flash_every_dtype_pair(storage, q_name, rng):
+def test_flash_every_dtype_pair(path, storage, q_name, rng, monkeypatch):
+    use_device(path, monkeypatch)  # through the decode kernels, then the flash kernel
     for kind in kinds_for(storage):
         for group in (1, 4):
             hkv, d = 2, 16
@@ -162,6 +165,44 @@ def test_cross_attention_reads_stored_kv(name, rng):
     out, lse = numattn.cross_attention(q, q_offsets, 4, k, v, kv_offsets, return_lse=True)
     ref = reference.cross_attention(q, q_offsets, 4, k, v, kv_offsets, return_lse=True)
     check(out, lse, *ref, "float32", name)
+
+
+@pytest.mark.parametrize("storage", STORAGES[2:], ids=storage_id)
+@pytest.mark.parametrize("q_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_cuda_kernels_read_stored_kv(device, storage, q_name, rng):
+    """Decode and cross attention on CUDA (tiny: the simulator runs kernels as Python) read
+    every format as stored; host 16-bit queries are widened before the copy to the GPU."""
+    k, v = make_step(rng, "paged", [3, 6], [1, 1], 2, 8, storage)
+    q = randn(rng, (2, 4, 8), np.float32).astype(dtype_of(q_name))
+    sinks = randn(rng, 4, np.float32)
+    out, lse = numattn.decode_attention(q, k, v, CausalMask(), sink_weights=sinks,
+                                        num_partitions=2, device=device, return_lse=True)
+    ref = reference.decode_attention(q, k, v, CausalMask(), sink_weights=sinks,
+                                     return_lse=True)
+    check(out, lse, *ref, q_name, f"decode {storage_id(storage)}")
+    offsets = np.array([0, 1, 2])
+    out, lse = numattn.cross_attention(q, offsets, 1, k, v, offsets, CausalMask(),
+                                       device=device, return_lse=True)
+    ref = reference.cross_attention(q, offsets, 1, k, v, offsets, CausalMask(),
+                                    return_lse=True)
+    check(out, lse, *ref, q_name, f"cross {storage_id(storage)}")
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])
+def test_stored_value_is_exact_for_every_bit_pattern(name):
+    """The shared body that widens one stored element (the CPU's element-by-element paths,
+    the CUDA kernels) gives ml_dtypes' value for every bit pattern, NaN and inf included."""
+    from numattn.core.jit import cpu_jit
+    from numattn.kernels.shared.storage import stored_value
+
+    widen = cpu_jit(stored_value)
+    dtype = dtype_of(name)
+    view = {1: np.uint8, 2: np.uint16 if name == "bfloat16" else np.int16}[dtype.itemsize]
+    bits = np.arange(1 << (8 * dtype.itemsize), dtype=np.uint32).astype(view)
+    like = np.zeros(1, np.float32)
+    got = np.array([widen(b, dtypes.storage_format(dtype), like) for b in bits], np.float32)
+    assert np.array_equal(got, bits.view(dtype).astype(np.float32), equal_nan=True)
 
 
 def test_fully_masked_rows_and_empty_sequences(rng):

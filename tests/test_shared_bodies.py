@@ -201,8 +201,9 @@ _LAYOUTS = {"bfloat16": (8, 7, False), "float16": (5, 10, False),
 
 
 def _minifloat_samples(rng, f):
-    return [(int(bits) & 0xFFFF, *_LAYOUTS[name], ) for name, (_, patterns) in _PATTERNS.items()
-            if name in _LAYOUTS for bits in patterns]
+    like = np.zeros(1, f)
+    return [(int(bits) & 0xFFFF, *_LAYOUTS[name], like) for name, (_, patterns)
+            in _PATTERNS.items() if name in _LAYOUTS for bits in patterns]
 
 
 def _stored_value_samples(rng, f):
@@ -239,7 +240,7 @@ SAMPLES = {
     "masks.key_hidden": (True, _key_hidden_samples),
     "paging.kv_page_slot": (False, _page_slot_samples),
     "partitions.partition_bounds": (False, _partition_samples),
-    "storage.minifloat": (False, _minifloat_samples),
+    "storage.minifloat": (True, _minifloat_samples),
     "storage.stored_value": (True, _stored_value_samples),
 }
 

@@ -317,18 +317,19 @@ def layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device)
     final_out = None
     if out is not None and dtype_of(out) != dtype:
         final_out, out = out, None  # the kernels write a result of the compute dtype
-    if device == "cuda" and (layout.dtype != dtype or step.q_dtype != dtype
-                             or final_out is not None):
-        raise TypeError(f"on CUDA, q, K/V and out must be float32 or float64 of one dtype "
-                        f"(got q {step.q_dtype}, K/V {layout.dtype}); 16- and 8-bit storage "
-                        f"runs on the CPU")
+    if device == "cuda" and step.q_dtype != dtype and is_device_array(q):
+        raise TypeError(f"device queries must be float32 or float64 (the compute dtype), got "
+                        f"{step.q_dtype}: widen them on the device, or pass host queries")
+    if device == "cuda" and final_out is not None and is_device_array(final_out):
+        raise TypeError(f"a device out must have the compute dtype {dtype}, got "
+                        f"{dtype_of(final_out)}")
     if out is not None:
         if device == "cpu" and not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a NumPy array (this call runs on the CPU), got "
                             f"{type(out).__name__}")
         if sinks is not None or step.rules.out_may_share != OUT_AFTER_READS:
             _check_out_overlap(out, q, layout, step.mask, sinks, step.rules.out_may_share)
-    if device == "cpu":
+    if device == "cpu" or (isinstance(q, np.ndarray) and q.dtype != dtype):
         q = np.ascontiguousarray(q, dtype=dtype)  # 16-bit queries: a float32 copy
         if q.ndim == 4:
             q = q.reshape(q_shape[0] * q_shape[1], num_heads, head_dim)
@@ -350,14 +351,15 @@ def plan_q_dtype(q_dtype, kv_dtype):
 
 def finish_result(problem, result, lse):
     """The result as the caller asked for it: of q's dtype (rounded to nearest), or the
-    caller's ``out``, the LSE float32 (float64 for float64 queries).  Host arrays only
-    (the CUDA kernels read float32/float64)."""
+    caller's ``out``, the LSE float32 (float64 for float64 queries).  Device results stay
+    as the kernels wrote them (device queries and ``out`` have the compute dtype)."""
     if problem.final_out is not None:
         problem.final_out[...] = result
         result = problem.final_out
-    elif problem.out is None and result.dtype != problem.result_dtype:
+    elif (problem.out is None and isinstance(result, np.ndarray)
+          and result.dtype != problem.result_dtype):
         result = result.astype(problem.result_dtype)
-    if lse is not None and lse.dtype != lse_dtype(problem.result_dtype):
+    if (isinstance(lse, np.ndarray) and lse.dtype != lse_dtype(problem.result_dtype)):
         lse = lse.astype(lse_dtype(problem.result_dtype))
     return result, lse
 

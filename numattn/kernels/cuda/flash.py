@@ -22,6 +22,8 @@ from ...core.validate import dtype_of, row_counts, shape_of
 from ..shared.masks import mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
 from ..shared.softmax import accumulate, finish_row, key_weight, max_nan, rescale_factor
+from ..shared.storage import stored_value
+from .split_k import device_scales
 
 #: Largest number of (query row, query head) pairs that a CUDA block serves.
 MAX_ROW_HEADS = 32
@@ -63,9 +65,9 @@ def run_cross_cuda(problem):
             return x if hasattr(x, "is_c_contiguous") else cuda.as_cuda_array(x)
         return cuda.to_device(np.ascontiguousarray(x))
 
-    def rows_view(blocks):  # [pages, page_size, Hkv, D] -> [pages * page_size, Hkv, D]
-        pages, page_size, hkv, d = shape_of(blocks)
-        return on_device(blocks).reshape(pages * page_size, hkv, d)
+    def rows_view(blocks):  # [pages, page_size, Hkv(, D)] -> [pages * page_size, Hkv(, D)]
+        shape = shape_of(blocks)
+        return on_device(blocks).reshape(shape[0] * shape[1], *shape[2:])
 
     q_lens = row_counts(q_offsets)
     heads, rows, keys = _cuda_tiles(max(group, 1), dtype.itemsize, config.block_q,
@@ -82,12 +84,16 @@ def run_cross_cuda(problem):
     if tile_seq.shape[0] and num_heads:
         kernel = cuda_kernel(_cross_attention_cuda_kernel)
         grid = (tile_seq.shape[0], num_heads // heads)
+        k_scales, v_scales, has_scales = device_scales(cuda, layout, on_device)
+        if has_scales:
+            k_scales, v_scales = rows_view(k_scales), rows_view(v_scales)
         shared = _shared_bytes(heads * rows, keys, dtype.itemsize)
         kernel[grid, config.threads_per_block, 0, shared](
             on_device(q), on_device(q_offsets), on_device(tile_seq), on_device(tile_row0),
             rows_view(layout.k_blocks), rows_view(layout.v_blocks), np.int64(layout.page_size),
             on_device(layout.lookup_table), on_device(layout.row_base),
-            on_device(layout.num_keys), on_device(program), on_device(additive),
+            on_device(layout.num_keys), k_scales, v_scales, np.int64(layout.kv_format),
+            has_scales, on_device(program), on_device(additive),
             bool(has_additive), dtype.type(scale), np.int64(group), np.int64(heads),
             np.int64(rows), np.int64(keys), d_out, d_lse, bool(return_lse),
         )
@@ -124,9 +130,9 @@ def _row_head_of(i, heads_per_block, token0, h0):
 
 
 def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_rows, page_size,
-                                 lookup_table, row_base, num_keys, program, additive,
-                                 has_additive, scale, group, heads_per_block, rows_per_block,
-                                 block_k, out, lse, write_lse):
+                                 lookup_table, row_base, num_keys, k_scales, v_scales, kv_format,
+                                 has_scales, program, additive, has_additive, scale, group,
+                                 heads_per_block, rows_per_block, block_k, out, lse, write_lse):
     """One block: query rows ``r0 ..`` of sequence ``b`` x query heads ``h0 ..``.
 
     The block's row-heads are ``i = local_row * heads_per_block + local_head``.
@@ -171,17 +177,19 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
         status = mask_tile_status(program, r0, r0 + rows - 1, k0, k_last)
         if status == TILE_FULL:
             continue
-        _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, program, additive,
-                          has_additive, scale, b, token0, r0, rows, h0, heads_per_block,
-                          group, block_k, k0, k_last, status, key_row, scores)
+        _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv_format,
+                          has_scales, program, additive, has_additive, scale, b, token0, r0,
+                          rows, h0, heads_per_block, group, block_k, k0, k_last, status,
+                          key_row, scores)
         cuda.syncthreads()
         _tile_rescale_cuda(scores, row_max, rescale, width, block_k, k_last - k0 + 1)
         cuda.syncthreads()
         _tile_weights_cuda(program, additive, has_additive, b, r0, h0, heads_per_block, width,
                            block_k, k0, k_last, status, row_max, scores)
         cuda.syncthreads()
-        _tile_values_cuda(v_rows, key_row, scores, rescale, token0, h0, heads_per_block, group,
-                          width, block_k, k_last - k0 + 1, started, zero, row_sum, out)
+        _tile_values_cuda(v_rows, v_scales, kv_format, has_scales, key_row, scores, rescale,
+                          token0, h0, heads_per_block, group, width, block_k, k_last - k0 + 1,
+                          started, zero, row_sum, out)
         started = True
         cuda.syncthreads()
     _finish_rows_cuda(row_max, row_sum, rescale, token0, h0, heads_per_block, width, started,
@@ -189,9 +197,10 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
 
 
 @body
-def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, program, additive,
-                      has_additive, scale, b, token0, r0, rows, h0, heads_per_block, group,
-                      block_k, k0, k_last, status, key_row, scores):
+def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv_format,
+                      has_scales, program, additive, has_additive, scale, b, token0, r0, rows,
+                      h0, heads_per_block, group, block_k, k0, k_last, status, key_row,
+                      scores):
     """``scores[i * block_k + j]``: the score of key ``k0 + j`` for row-head ``i`` (``-inf``
     where the mask or the additive tensor hides it) and ``key_row[j]``: its cache row.
 
@@ -225,7 +234,10 @@ def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, program, add
                 if visible and bias != -math.inf:
                     dot = zero
                     for d in range(head_dim):
-                        dot += q[token0 + lr, h, d] * k_rows[row, kv_head, d]
+                        dot += q[token0 + lr, h, d] * stored_value(k_rows[row, kv_head, d],
+                                                                   kv_format, q)
+                    if has_scales:  # q . (k s) = (q . k) s
+                        dot *= k_scales[row, kv_head]
                     scores[i * block_k + j] = dot * scale + bias
                 else:
                     scores[i * block_k + j] = -math.inf
@@ -268,8 +280,9 @@ def _tile_weights_cuda(program, additive, has_additive, b, r0, h0, heads_per_blo
 
 
 @body
-def _tile_values_cuda(v_rows, key_row, weights, rescale, token0, h0, heads_per_block, group,
-                      width, block_k, num_keys, started, zero, row_sum, out):
+def _tile_values_cuda(v_rows, v_scales, kv_format, has_scales, key_row, weights, rescale, token0,
+                      h0, heads_per_block, group, width, block_k, num_keys, started, zero,
+                      row_sum, out):
     """``l`` (``row_sum``) and ``acc`` (``out``) take the tile's weights and weighted V rows
     (:func:`.accumulate`; ``acc`` starts at the first tile); threads over row-heads, then
     over row-heads x head dimension."""
@@ -292,7 +305,10 @@ def _tile_values_cuda(v_rows, key_row, weights, rescale, token0, h0, heads_per_b
         for j in range(num_keys):
             p = weights[i * block_k + j]
             if p != -math.inf:
-                total += p * v_rows[key_row[j], kv_head, d]
+                value = stored_value(v_rows[key_row[j], kv_head, d], kv_format, out)
+                if has_scales:
+                    value *= v_scales[key_row[j], kv_head]
+                total += p * value
         out[token, h, d] = accumulate(out[token, h, d], rescale[i], total) if started else total
 
 

@@ -25,6 +25,7 @@ from ..shared.softmax import (
     merge_partials,
     rescale_factor,
 )
+from ..shared.storage import stored_value
 
 #: CUDA: threads that split the head dimension of one key's dot product (the rest of the
 #: block's threads take different keys), and the largest key tile one block holds.
@@ -84,11 +85,12 @@ def run_decode_cuda(problem, num_partitions):
             [(batch, parts, num_heads), (batch, parts, num_heads),
              (batch, parts, num_heads, head_dim), (batch, num_heads)])
         grid = (parts, layout.num_kv_heads, batch)
+        k_scales, v_scales, has_scales = device_scales(cuda, layout, to_device)
         cuda_kernel(_decode_partitions_cuda)[grid, threads, 0, heads_per_pass * per_head](
             to_device(q), to_device(layout.k_blocks), to_device(layout.v_blocks),
-            layout.page_size, table, row_base, num_keys, program, additive,
-            args.has_additive, args.scale, block_k, tile, heads_per_pass, part_m, part_l,
-            part_acc,
+            layout.page_size, table, row_base, num_keys, k_scales, v_scales,
+            np.int64(layout.kv_format), has_scales, program, additive, args.has_additive,
+            args.scale, block_k, tile, heads_per_pass, part_m, part_l, part_acc,
         )
         cuda_kernel(_decode_reduce_cuda)[batch * num_heads, threads](
             part_m, part_l, part_acc, sinks, args.has_sink, d_out, d_lse
@@ -97,6 +99,16 @@ def run_decode_cuda(problem, num_partitions):
         return d_out, d_lse
     result = d_out.copy_to_host(out) if out is not None else d_out.copy_to_host()
     return result, d_lse.copy_to_host()
+
+
+def device_scales(cuda, layout, to_device):
+    """``(k_scales, v_scales, has_scales)`` for the CUDA kernels: a quantized cache's scales
+    on the device, or ``[1, 1, 1]`` placeholders (the kernels read them only with
+    ``has_scales``)."""
+    if layout.k_scales.shape[0] == 0:
+        placeholder = cuda.to_device(np.ones((1, 1, 1), np.float32))
+        return placeholder, placeholder, False
+    return to_device(layout.k_scales), to_device(layout.v_scales), True
 
 
 def _packed_to_device(cuda, arrays, dtype):
@@ -124,8 +136,9 @@ def _multiprocessors(cuda):
 
 
 def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_base,
-                            num_keys, program, additive, has_additive, scale, block_k, tile,
-                            heads_per_pass, part_m, part_l, part_acc):
+                            num_keys, k_scales, v_scales, kv_format, has_scales, program,
+                            additive, has_additive, scale, block_k, tile, heads_per_pass,
+                            part_m, part_l, part_acc):
     """One block per (partition, KV head, sequence); ``tile`` keys at a time.
 
     Dynamic shared memory holds, per head of a pass, the tile's scores (then weights)
@@ -134,6 +147,8 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
     (:func:`_tile_rescale_cuda`), the keys' weights and ``l`` (:func:`_tile_weights_cuda`),
     then ``acc`` (:func:`_tile_values_cuda`): the steps of
     :mod:`numattn.kernels.shared.softmax`, with shared-memory reductions over the block.
+    K/V are read in their stored format ``kv_format`` (times their scales with
+    ``has_scales``): :func:`numattn.kernels.shared.storage.stored_value`.
     """
     part = cuda.blockIdx.x
     j = cuda.blockIdx.y
@@ -165,21 +180,21 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
             status = mask_tile_status(program, q_idx, q_idx, k0, k0 + n - 1)
             if status == TILE_FULL:
                 continue
-            _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, program,
-                              additive, has_additive, scale, b, j, h0, gn, q_idx, k0, n,
-                              status, tile, red, shared)
+            _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, k_scales,
+                              kv_format, has_scales, program, additive, has_additive, scale, b,
+                              j, h0, gn, q_idx, k0, n, status, tile, red, shared)
             _tile_rescale_cuda(m, h0, gn, n, tile, red, alphas, shared)
             _tile_weights_cuda(m, l, h0, gn, n, tile, red, alphas, zero, shared)
-            _tile_values_cuda(v_blocks, page_size, lookup_table, row_base, program, additive,
-                              has_additive, b, j, h0, gn, q_idx, k0, n, status, tile, alphas,
-                              zero, shared, acc)
+            _tile_values_cuda(v_blocks, page_size, lookup_table, row_base, v_scales,
+                              kv_format, has_scales, program, additive, has_additive, b, j, h0,
+                              gn, q_idx, k0, n, status, tile, alphas, zero, shared, acc)
             cuda.syncthreads()
 
 
 @body
-def _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, program, additive,
-                      has_additive, scale, b, j, h0, gn, q_idx, k0, n, status, tile, red,
-                      shared):
+def _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, k_scales, kv_format,
+                      has_scales, program, additive, has_additive, scale, b, j, h0, gn, q_idx,
+                      k0, n, status, tile, red, shared):
     """``shared[g * tile + i]``: the score of key ``k0 + i`` for query head ``h0 + g``
     (``-inf`` where the mask or the additive tensor hides it).
 
@@ -201,7 +216,10 @@ def _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, program, a
             for g in range(gn):
                 dot = zero
                 for d in range(lane, head_dim, CUDA_DOT_LANES):
-                    dot += q[b, h0 + g, d] * k_blocks[page, slot, j, d]
+                    dot += q[b, h0 + g, d] * stored_value(k_blocks[page, slot, j, d],
+                                                          kv_format, q)
+                if has_scales:  # q . (k s) = (q . k) s
+                    dot *= k_scales[page, slot, j]
                 shared[red + g * threads + tid] = dot
         cuda.syncthreads()
         for idx in range(tid, gn * key_slots, threads):
@@ -283,9 +301,9 @@ def _tile_weights_cuda(m, l, h0, gn, n, tile, red, alphas, zero, shared):
 
 
 @body
-def _tile_values_cuda(v_blocks, page_size, lookup_table, row_base, program, additive,
-                      has_additive, b, j, h0, gn, q_idx, k0, n, status, tile, alphas, zero,
-                      shared, acc):
+def _tile_values_cuda(v_blocks, page_size, lookup_table, row_base, v_scales, kv_format,
+                      has_scales, program, additive, has_additive, b, j, h0, gn, q_idx, k0, n,
+                      status, tile, alphas, zero, shared, acc):
     """``acc[h0 + g, d]`` takes the tile's weighted V rows (:func:`.accumulate`), threads
     over (head, d)."""
     tid = cuda.threadIdx.x
@@ -306,7 +324,10 @@ def _tile_values_cuda(v_blocks, page_size, lookup_table, row_base, program, addi
             # one whose weight underflowed (0 * V: NaN propagates)
             if p != 0 or not key_hidden(program, status, q_idx, has_additive, additive, b,
                                         h0 + g, k0 + i):
-                total += p * v_blocks[page, slot, j, d]
+                value = stored_value(v_blocks[page, slot, j, d], kv_format, acc)
+                if has_scales:
+                    value *= v_scales[page, slot, j]
+                total += p * value
             slot += 1
             if slot == page_size and i + 1 < n:
                 slot = 0

@@ -21,9 +21,10 @@ from ...core.jit import body
 
 
 @body
-def minifloat(bits, exp_bits, man_bits, finite_only):
+def minifloat(bits, exp_bits, man_bits, finite_only, like):
     """The value of the float whose ``1 + exp_bits + man_bits`` low bits are ``bits``
-    (IEEE layout; ``finite_only``: no infinities, all ones is NaN, as float8_e4m3fn)."""
+    (IEEE layout; ``finite_only``: no infinities, all ones is NaN, as float8_e4m3fn), in
+    the dtype of the array ``like`` (exact: every 16- and 8-bit float is a float32)."""
     man_mask = (1 << man_bits) - 1
     exp_max = (1 << exp_bits) - 1
     sign = (bits >> (exp_bits + man_bits)) & 1
@@ -32,14 +33,14 @@ def minifloat(bits, exp_bits, man_bits, finite_only):
     bias = (1 << (exp_bits - 1)) - 1
     if finite_only:
         if e == exp_max and m == man_mask:
-            return math.nan
+            return like.dtype.type(math.nan)
     elif e == exp_max:
-        value = math.inf if m == 0 else math.nan
-        return -value if sign else value
+        special = like.dtype.type(math.inf) if m == 0 else like.dtype.type(math.nan)
+        return -special if sign else special
     if e == 0:
-        value = math.ldexp(float(m), 1 - bias - man_bits)
+        value = math.ldexp(like.dtype.type(m), 1 - bias - man_bits)
     else:
-        value = math.ldexp(float(m + (1 << man_bits)), e - bias - man_bits)
+        value = math.ldexp(like.dtype.type(m + (1 << man_bits)), e - bias - man_bits)
     return -value if sign else value
 
 
@@ -50,11 +51,11 @@ def stored_value(x, kv_format, like):
     applied by the caller), else the float its bits hold.  (``int(x)`` in every branch:
     Numba types the branches of float storage too, where no bit operation applies.)"""
     if kv_format == FORMAT_BFLOAT16:
-        return like.dtype.type(minifloat(int(x) & 0xFFFF, 8, 7, False))
+        return minifloat(int(x) & 0xFFFF, 8, 7, False, like)
     if kv_format == FORMAT_FLOAT16:
-        return like.dtype.type(minifloat(int(x) & 0xFFFF, 5, 10, False))
+        return minifloat(int(x) & 0xFFFF, 5, 10, False, like)
     if kv_format == FORMAT_E4M3:
-        return like.dtype.type(minifloat(int(x) & 0xFF, 4, 3, True))
+        return minifloat(int(x) & 0xFF, 4, 3, True, like)
     if kv_format == FORMAT_E5M2:
-        return like.dtype.type(minifloat(int(x) & 0xFF, 5, 2, False))
+        return minifloat(int(x) & 0xFF, 5, 2, False, like)
     return like.dtype.type(x)
