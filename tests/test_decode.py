@@ -452,7 +452,8 @@ def test_cpu_tiles_of_short_rows_are_longer():
 
     def tile(kv_heads, head_dim, dtype, block_k=128):
         layout = SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim, dtype=np.dtype(dtype))
-        return internals.cpu_tile_keys(layout, np.dtype(np.float32), block_k)
+        compute = np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.dtype(np.float32)
+        return internals.cpu_tile_keys(layout, compute, block_k)
 
     assert tile(8, 128, np.float32) == 128  # rows of 4 KiB
     assert tile(1, 64, np.float32) == 1024  # 256 B: 1024 keys of 256 KiB
@@ -461,7 +462,7 @@ def test_cpu_tiles_of_short_rows_are_longer():
     assert tile(1, 1, np.float32) == 128 * MAX_TILE_MULTIPLE
     assert tile(1, 1, np.float32, block_k=4) == 4 * MAX_TILE_MULTIPLE
     assert tile(1, 64, np.float32, block_k=TILE_BYTES) == TILE_BYTES
-    assert tile(8, 128, np.int8) == 256  # counted in stored bytes: rows of 1 KiB
+    assert tile(8, 128, np.int8) == 128  # counted in the compute dtype, not as stored
 
 
 @pytest.mark.parametrize("dtype", FLOAT32_FAST)

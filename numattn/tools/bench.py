@@ -281,7 +281,7 @@ def _baseline(torch, q_bhsd, k_bhsd, v_bhsd, *, causal=False, mask=None, dtype="
 DTYPES = STORAGE_DTYPES
 
 
-def _stored(x, name):
+def stored_array(x, name):
     """Float32 ``x`` stored as ``name``: ``(array, scales or None)``; int8 quantized with one
     scale per row of the last axis."""
     if name == "int8":
@@ -311,11 +311,11 @@ def _cases(quick, dtype="float32"):
     rng = np.random.default_rng(0)
     f32 = np.float32
     q_dtype = _query_dtype(dtype)
-    itemsize = _stored(np.ones((1, 1), f32), dtype)[0].itemsize  # bytes per stored element
+    itemsize = stored_array(np.ones((1, 1), f32), dtype)[0].itemsize  # bytes per stored element
 
     def store(blocks):
         """K or V blocks ``[pages, page_size, Hkv, D]`` (float32) as stored."""
-        return _stored(blocks, dtype)
+        return stored_array(blocks, dtype)
 
     def dense_kv(k, v):
         """Plain K/V, or for int8 (which needs scales) a one-block cache of each."""

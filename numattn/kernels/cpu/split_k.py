@@ -79,20 +79,21 @@ MULTI_QUERY_WORKERS = 16
 
 
 def _row_bytes(layout, dtype):
-    """Bytes of one token's K (or V) row of all KV heads, as stored."""
-    return layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
+    """Bytes of one token's K (or V) row of all KV heads in ``dtype``."""
+    return layout.num_kv_heads * layout.head_dim * dtype.itemsize
 
 
 def _prefetch_lines(layout, dtype):
     """Lines of each K/V row the CPU kernel prefetches: :data:`PREFETCH_LINES` for rows of
-    at least :data:`PREFETCH_MIN_ROW_BYTES`, none for smaller rows."""
-    return PREFETCH_LINES if _row_bytes(layout, dtype) >= PREFETCH_MIN_ROW_BYTES else 0
+    at least :data:`PREFETCH_MIN_ROW_BYTES` as stored, none for smaller rows."""
+    return PREFETCH_LINES if _row_bytes(layout, layout.dtype) >= PREFETCH_MIN_ROW_BYTES else 0
 
 
 def _cpu_tile_keys(layout, dtype, block_k):
     """Keys per tile of the CPU decode kernel: ``block_k``, or for short rows the multiple of
-    it (up to :data:`MAX_TILE_MULTIPLE`) nearest below :data:`TILE_BYTES` of K per tile.
-    Partitions stay aligned to ``block_k``."""
+    it (up to :data:`MAX_TILE_MULTIPLE`) nearest below :data:`TILE_BYTES` of K per tile,
+    counted in the compute ``dtype`` (the tile's scores and weights grow with it, whatever
+    the rows' stored size).  Partitions stay aligned to ``block_k``."""
     multiple = TILE_BYTES // (block_k * max(1, _row_bytes(layout, dtype)))
     return block_k * max(1, min(MAX_TILE_MULTIPLE, multiple))
 
