@@ -577,15 +577,9 @@ class NumattnLayer(CacheLayerMixin):
                 new = full[:, self.positions - s:]
                 if new.all():
                     new = None
-        counts = np.full(b, s, dtype=np.int64) if new is None else new.sum(axis=1)
-        offsets = _offsets(counts)
-        self._reserve(int((self.lengths + counts).max(initial=0)))
-        k_new = _host("key", key_states).transpose(0, 2, 1, 3)  # [B, S, Hkv, D]
-        v_new = _host("value", value_states).transpose(0, 2, 1, 3)
-        q = _host("query", query).transpose(0, 2, 1, 3)
+        offsets = self._store(key_states, value_states, new)
+        q = _host("query", query).transpose(0, 2, 1, 3)  # [B, S, H, D]
         if new is None:
-            store_kv(self.k, np.ascontiguousarray(k_new).reshape(b * s, *k_new.shape[2:]), offsets)
-            store_kv(self.v, np.ascontiguousarray(v_new).reshape(b * s, *v_new.shape[2:]), offsets)
             if s == 1:
                 out = decode_attention(np.ascontiguousarray(q[:, 0]), self.k, self.v, mask, scale,
                                        sink_weights=sinks).reshape(b, 1, h, d)
@@ -595,14 +589,30 @@ class NumattnLayer(CacheLayerMixin):
                     q_input_row_offsets=offsets, sink_weights=sinks,
                 ).reshape(b, s, h, d)
         else:
-            store_kv(self.k, k_new[new], offsets)
-            store_kv(self.v, v_new[new], offsets)
             rows = flash_attention_kv_cache(q[new], self.k, self.v, mask, scale,
                                             q_input_row_offsets=offsets, sink_weights=sinks)
             out = np.zeros((b, s, h, d), dtype=self.dtype)
             out[new] = rows
-        self.lengths += counts  # in place: the PagedKVCache objects share the array
+        self.lengths += np.diff(offsets)  # in place: the PagedKVCache objects share the array
         return out
+
+    def _store(self, key_states, value_states, new):
+        """Write the rows ``new`` marks (all when ``None``) after each sequence's tokens;
+        returns their row offsets.  ``lengths`` still counts the tokens before them."""
+        b, _, s, _ = key_states.shape
+        counts = np.full(b, s, dtype=np.int64) if new is None else new.sum(axis=1)
+        offsets = _offsets(counts)
+        self._reserve(int((self.lengths + counts).max(initial=0)))
+        k_new = _host("key", key_states).transpose(0, 2, 1, 3)  # [B, S, Hkv, D]
+        v_new = _host("value", value_states).transpose(0, 2, 1, 3)
+        if new is None:
+            shape = (b * s, *k_new.shape[2:])
+            store_kv(self.k, np.ascontiguousarray(k_new).reshape(shape), offsets)
+            store_kv(self.v, np.ascontiguousarray(v_new).reshape(shape), offsets)
+        else:
+            store_kv(self.k, k_new[new], offsets)
+            store_kv(self.v, v_new[new], offsets)
+        return offsets
 
     def _reserve(self, tokens):
         """Enough pages for ``tokens`` tokens per sequence."""
@@ -718,6 +728,26 @@ class NumattnCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         _ACTIVE.cache = weakref.ref(self)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def append(self, key_states, value_states, layer_idx):
+        """Store a layer's K/V rows without attending (to load keys computed elsewhere).
+
+        Parameters
+        ----------
+        key_states, value_states : torch.Tensor, shape [B, Hkv, S, D]
+            New rows of every sequence (none padded), in transformers' head-major layout.
+        layer_idx : int
+            The layer.
+
+        Raises
+        ------
+        TypeError, ValueError
+            If the rows do not fit the layer (dtype, shape) or the layer has rows pending.
+        """
+        layer = self.layers[layer_idx]
+        layer.update(key_states, value_states)
+        layer.pending = None
+        layer.lengths += np.diff(layer._store(key_states, value_states, None))
 
     def kv_caches(self, layer_idx):
         """The :class:`~numattn.PagedKVCache` pair of a layer (``None`` before its first step).
