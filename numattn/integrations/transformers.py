@@ -444,9 +444,11 @@ def _attend_dense(query, key, value, attention_mask, mask, scale, sinks, window,
         # padding inside a sequence changes distances: hide it with an additive mask instead
         additive = np.where(real, dtype.type(0), dtype.type(-np.inf))
         additive = np.ascontiguousarray(np.broadcast_to(additive[:, None, :], (b, s, n)))
-        return flash_attention_kv_cache(np.ascontiguousarray(q), k, v,
-                                        mask & MaterializedMask(additive), scale,
-                                        sink_weights=sinks)
+        out = flash_attention_kv_cache(np.ascontiguousarray(q), k, v,
+                                       mask & MaterializedMask(additive), scale,
+                                       sink_weights=sinks)
+        out[~real[:, n - s:]] = 0  # padded query rows, as on the ragged path
+        return out
     # padding only outside each sequence's run of real positions (or a causal mask, which
     # depends on order only): a ragged batch of the real rows
     q_real = real[:, n - s:]
