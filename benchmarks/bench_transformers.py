@@ -32,20 +32,29 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
+# numattn first: its import sets GOMP_SPINCOUNT (docs/performance.rst, "Sharing the cores with
+# NumPy"), which torch's OpenMP runtime reads when torch is imported; without it torch's
+# threads spin for milliseconds after each operation and take the cores from numattn's
+import numattn  # noqa: F401
+
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 2
+#: The model's hidden size: the attention's shape does not depend on it (transformers projects
+#: to H * D = 4096 and back), and a small one keeps the projections from hiding the
+#: attention's share of a step (``--hidden 4096`` for the square model).
+HIDDEN = 1024
 CONTEXTS = (512, 4096, 16384)
 SMALL_CONTEXTS = (128, 512)
 BATCHES = (1, 8)
 IMPLS = ("numattn", "numattn+dyn", "sdpa", "eager")
 
 
-def build_models(torch, transformers):
+def build_models(torch, transformers, hidden=HIDDEN):
     """One model per attention implementation, sharing the same weights."""
     from numattn.integrations.transformers import register
 
     register()
     config = transformers.LlamaConfig(
-        hidden_size=HEADS * HEAD_DIM, intermediate_size=1024, num_hidden_layers=LAYERS,
+        hidden_size=hidden, intermediate_size=1024, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
         vocab_size=1024, max_position_embeddings=32768,
     )
@@ -113,12 +122,16 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=8, help="tokens generated per round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds (the median is shown)")
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--hidden", type=int, default=HIDDEN,
+                        help=f"the model's hidden size (default {HIDDEN})")
     parser.add_argument("--torch-threads", type=int,
                         help="torch's thread count (by default its own)")
     args = parser.parse_args(argv)
     for name in ("tokens", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    if args.hidden < 1:
+        parser.error("--hidden must be >= 1")
     if any(n < 1 for n in args.batches) or any(n < 1 for n in args.contexts or [1]):
         parser.error("--batches and --contexts must be >= 1")
     try:
@@ -130,8 +143,9 @@ def main(argv=None):
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     contexts = args.contexts or (SMALL_CONTEXTS if args.small else CONTEXTS)
-    models = build_models(torch, transformers)
-    print(f"greedy decode, {LAYERS} layers, H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM}, float32, "
+    models = build_models(torch, transformers, args.hidden)
+    print(f"greedy decode, {LAYERS} layers, H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM}, hidden "
+          f"{args.hidden}, float32, "
           f"{args.tokens} tokens x {args.repeats} rounds (median tokens/s), torch threads "
           f"{torch.get_num_threads()}")
     names = "".join(f"{impl:>12}" for impl in args.impls)
