@@ -338,3 +338,21 @@ def test_custom_mask_functions_are_refused():
         numattn_mask(1, 4, 4, mask_function=no_first_key)
     with pytest.raises(ValueError, match="StaticCache"):
         numattn_mask(1, 1, 16, q_offset=3)
+
+
+def test_bidirectional_attention_sees_every_key(rng):
+    from transformers.masking_utils import bidirectional_mask_function
+
+    b, h, hkv, s, n, d = 2, 4, 2, 3, 7, 8
+    q, k, v = (torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+               for shape in ((b, h, s, d), (b, hkv, n, d), (b, hkv, n, d)))
+    # an encoder's keys may outnumber its queries (cross attention): not a static cache
+    assert numattn_mask(b, s, n, mask_function=bidirectional_mask_function) is None
+    out, _ = numattn_attention(torch.nn.Module(), q, k, v, None, scaling=0.4, is_causal=False)
+    group = h // hkv
+    kk = k.numpy().astype(np.float64).repeat(group, axis=1)
+    vv = v.numpy().astype(np.float64).repeat(group, axis=1)
+    scores = 0.4 * np.einsum("bhsd,bhnd->bhsn", q.numpy().astype(np.float64), kk)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    expected = np.einsum("bhsn,bhnd->bshd", p / p.sum(axis=-1, keepdims=True), vv)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=2e-5, atol=2e-5)

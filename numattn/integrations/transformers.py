@@ -338,7 +338,8 @@ def numattn_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             f"and_mask_function, packed sequences or chunked attention): use another "
             f"attn_implementation"
         )
-    if isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length:
+    causal = mask_function is not bidirectional_mask_function  # (encoders may attend to more)
+    if isinstance(q_offset, torch.Tensor) or (causal and kv_length > q_offset + q_length):
         raise ValueError(
             f"the cache holds {kv_length} key slots for positions up to "
             f"{q_offset} + {q_length}: the positions of its keys are unknown to numattn (a "
