@@ -356,3 +356,21 @@ def test_bidirectional_attention_sees_every_key(rng):
     p = np.exp(scores - scores.max(axis=-1, keepdims=True))
     expected = np.einsum("bhsn,bhnd->bshd", p / p.sum(axis=-1, keepdims=True), vv)
     np.testing.assert_allclose(out.numpy(), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_benchmark_script_runs_a_small_case(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_transformers.py"
+    spec = importlib.util.spec_from_file_location("bench_transformers", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--contexts", "24", "--batches", "2", "--tokens", "2", "--repeats", "1",
+                "--hidden", "64"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    row = lines[-1].split()
+    assert row[:2] == ["2", "24"] and len(row) == 2 + 4 + 2
+    assert all(float(x) > 0 for x in row[2:])
+    with pytest.raises(SystemExit):
+        bench.main(["--tokens", "0"])
