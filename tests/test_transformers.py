@@ -374,3 +374,11 @@ def test_benchmark_script_runs_a_small_case(capsys):
     assert all(float(x) > 0 for x in row[2:])
     with pytest.raises(SystemExit):
         bench.main(["--tokens", "0"])
+
+
+def test_mask_function_takes_the_cache_positions_of_transformers_4():
+    padding = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    got = numattn_mask(2, kv_length=4, cache_position=torch.arange(3, 4), attention_mask=padding)
+    assert got.tolist() == (padding == 1).tolist()
+    with pytest.raises(ValueError, match="StaticCache"):
+        numattn_mask(2, kv_length=9, cache_position=torch.arange(3, 4))

@@ -282,9 +282,9 @@ def _is_sliding_causal(fn):
             and getattr(parts[0], "__qualname__", "") == overlay)
 
 
-def numattn_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+def numattn_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
                  mask_function=causal_mask_function, attention_mask=None, use_vmap=False,
-                 **kwargs):
+                 cache_position=None, **kwargs):
     """transformers' mask interface for numattn: the 2-D padding mask, not a 4-D tensor.
 
     numattn builds causal and sliding-window masks from positions, so the attention only
@@ -299,6 +299,9 @@ def numattn_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     q_offset, kv_offset : int
         Position of the first query and of the first key (a tensor ``q_offset`` comes from
         a static cache, whose key positions are unknown to numattn: refused).
+    cache_position : torch.Tensor, optional
+        The query positions, which transformers 4.x passes instead of ``q_length`` and
+        ``q_offset``.
     mask_function : callable
         transformers' description of the pattern: causal, sliding-window causal or
         bidirectional.
@@ -338,6 +341,9 @@ def numattn_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             f"and_mask_function, packed sequences or chunked attention): use another "
             f"attn_implementation"
         )
+    if q_length is None:  # transformers 4.x
+        q_length = 0 if cache_position is None else int(cache_position.shape[0])
+        q_offset = int(cache_position[0]) if q_length else 0
     causal = mask_function is not bidirectional_mask_function  # (encoders may attend to more)
     if isinstance(q_offset, torch.Tensor) or (causal and kv_length > q_offset + q_length):
         raise ValueError(
@@ -624,12 +630,17 @@ class NumattnLayer(CacheLayerMixin):
             self._allocate(max(math.ceil(tokens / self.page_size), 2 * pages))
 
     def get_mask_sizes(self, query_length):
+        if isinstance(query_length, torch.Tensor):  # transformers 4.x passes cache_position
+            query_length = int(query_length.shape[0])
         return self.positions + query_length, 0
 
     def get_seq_length(self):
         return self.positions
 
     def get_max_length(self):
+        return -1
+
+    def get_max_cache_shape(self):  # transformers 4.x's name
         return -1
 
     def reset(self):
