@@ -223,8 +223,9 @@ def _padding(attention_mask, num_positions, what):
     if attention_mask.shape[1] < num_positions:
         raise ValueError(
             f"attention_mask covers {attention_mask.shape[1]} positions but {what} "
-            f"{num_positions}: the positions of the keys are unknown (a StaticCache or "
-            f"another fixed-size cache); use DynamicCache or NumattnCache with numattn"
+            f"{num_positions}: the mask must cover every key position (a mask of the new "
+            f"tokens only, or a StaticCache whose key positions are unknown; use DynamicCache "
+            f"or NumattnCache with numattn)"
         )
     real = _host("attention_mask", attention_mask[:, attention_mask.shape[1] - num_positions:])
     real = real != 0
