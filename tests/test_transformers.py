@@ -291,11 +291,28 @@ def test_softcap_is_refused():
         model(torch.ones(1, 4, dtype=torch.long))
 
 
-def test_bfloat16_is_refused():
-    _, ours = pair("llama")
-    ours = ours.to(torch.bfloat16)
-    with torch.no_grad(), pytest.raises(TypeError, match="bfloat16"):
-        ours(torch.ones(1, 4, dtype=torch.long))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_models_run_with_16_bit_caches(dtype):
+    """A 16-bit model: its K/V stay 16-bit in the cache (read as stored, computed in float32),
+    logits as close to eager attention's as 16-bit rounding allows, and generation runs."""
+    eager, ours = pair("gpt_oss")
+    eager, ours = eager.to(getattr(torch, dtype)), ours.to(getattr(torch, dtype))
+    ids = torch.randint(0, 128, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = eager(ids).logits.float()
+        got = ours(ids).logits.float()
+        assert torch.allclose(got, want, atol=0.05 * float(want.abs().max()), rtol=0)
+        cache = NumattnCache(ours.config)
+        out = ours.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
+    assert out.shape == (2, PROMPT + 4)
+    assert cache.layers[0].k.blocks.dtype.name == dtype
+
+
+def test_other_dtypes_are_refused():
+    from numattn.integrations.transformers import numpy_dtype
+
+    with pytest.raises(TypeError, match="float32, float64, float16 or bfloat16"):
+        numpy_dtype("query", torch.ones(2, dtype=torch.int32))
 
 
 def test_dropout_and_gradients_are_refused():

@@ -21,8 +21,9 @@ With transformers' own ``DynamicCache`` (head-major ``[B, Hkv, N, D]``) numattn 
 transposed view, which it copies on every call.
 
 Refused with an error naming the option (never computed differently): logit soft-capping
-(``softcap``), dropout, gradients (numattn has no backward pass), tensors that are not float32
-or float64 CPU tensors (bfloat16 and float16 among them), position biases, packed sequences
+(``softcap``), dropout, gradients (numattn has no backward pass), tensors that are not CPU
+tensors of float32, float64, float16 or bfloat16 (16-bit models keep 16-bit caches, read
+as stored, and compute in float32), position biases, packed sequences
 without an attention mask, caches whose keys outnumber the positions (static caches),
 4-D masks with a :class:`NumattnCache`, and bidirectional sliding windows.
 """
@@ -60,15 +61,18 @@ from numattn import (
     flash_attention_kv_cache,
     store_kv,
 )
+from numattn.core.dtypes import ml_dtype
+from numattn.core.interop import as_array
 
 __all__ = ["NAME", "NumattnCache", "numattn_attention", "numattn_mask", "register"]
 
 #: The ``attn_implementation`` name :func:`register` adds.
 NAME = "numattn"
 
-#: Torch dtypes numattn reads in place, and the NumPy dtype each is read as.  The one place to
-#: widen once numattn reads 16-bit K/V (bfloat16 as ``ml_dtypes.bfloat16``).
-NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
+#: Torch dtypes numattn reads in place, and the NumPy dtype each is read as (bfloat16 as
+#: ``ml_dtypes.bfloat16``, through a view of its bits).
+NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+                torch.float16: np.dtype(np.float16), torch.bfloat16: ml_dtype("bfloat16")}
 
 #: Tokens per page of a :class:`NumattnCache` (the pages of all sequences of a layer share one
 #: pool; a sequence takes a new page every ``page_size`` tokens).
@@ -116,12 +120,8 @@ def numpy_dtype(name, tensor):
     """The NumPy dtype numattn reads ``tensor`` as; a clear ``TypeError`` for the others."""
     dtype = NUMPY_DTYPES.get(tensor.dtype)
     if dtype is None:
-        hint = ""
-        if tensor.dtype in (torch.bfloat16, torch.float16):
-            hint = (" (numattn does not read 16-bit tensors here yet: load the model with "
-                    "dtype=torch.float32)")
-        raise TypeError(f"the numattn attention takes float32 or float64 tensors; {name} has "
-                        f"dtype {tensor.dtype}{hint}")
+        raise TypeError(f"the numattn attention takes float32, float64, float16 or bfloat16 "
+                        f"tensors; {name} has dtype {tensor.dtype}")
     return dtype
 
 
@@ -130,7 +130,14 @@ def _host(name, tensor):
     if tensor.device.type != "cpu":
         raise ValueError(f"the numattn attention runs on the CPU here; {name} is on "
                          f"{tensor.device}")
-    return tensor.detach().numpy()
+    return as_array(name, tensor.detach())
+
+
+def _to_torch(array):
+    """A NumPy result as a torch tensor over the same memory (bfloat16 through its bits)."""
+    if array.dtype == NUMPY_DTYPES[torch.bfloat16]:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _check_tensors(query, key, value, dropout, softcap, kwargs):
@@ -417,7 +424,7 @@ def numattn_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     else:
         out = _attend_dense(query, key, value, attention_mask, mask, scale, sinks,
                             sliding_window, kwargs.get("position_ids"), dtype)
-    return torch.from_numpy(out), None
+    return _to_torch(out), None
 
 
 def _attend_dense(query, key, value, attention_mask, mask, scale, sinks, window, position_ids,
