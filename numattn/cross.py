@@ -135,10 +135,9 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
     if problem.q_offsets.shape[0] == 1:  # no sequence: return at once, out untouched
         return _empty_result(problem)
     if problem.device == "cuda":
-        from .kernels.cuda.flash import run_cross_cuda
+        from .kernels.cuda.flash import run_flash_cuda
 
-        returned = run_cross_cuda(problem)
-        result, lse = returned if problem.return_lse else (returned, None)
+        result, lse = run_flash_cuda(problem)
     else:
         from .kernels.cpu.flash import run_flash_cpu
 

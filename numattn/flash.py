@@ -3,8 +3,9 @@
 Checks the arguments and normalises every input form (padded BSHD or ragged queries; dense,
 ragged, continuous-batching or paged K/V) to one ragged problem over the paged addressing
 of :func:`numattn.core.kv_cache.resolve_kv` (:func:`numattn.core.problem.attention_problem`),
-and runs the CPU kernel (:func:`numattn.kernels.cpu.flash.run_flash_cpu`).
-:class:`FlashPlan` does the work that depends only on a step's row offsets, caches and mask
+and runs the CPU kernel (:func:`numattn.kernels.cpu.flash.run_flash_cpu`) or the CUDA one
+(:func:`numattn.kernels.cuda.flash.run_flash_cuda`, shared with cross attention).
+:class:`FlashPlan` (CPU) does the work that depends only on a step's row offsets, caches and mask
 once, for every layer of the step.
 """
 
@@ -39,15 +40,16 @@ from .core.validate import (
 __all__ = ["FlashPlan", "flash_attention_kv_cache"]
 
 #: Bottom-right aligned queries; plain K/V as rows with ragged queries, dense with padded
-#: ones; ``out`` may be q itself (a tile of queries is read before its outputs are written).
+#: ones; ``out`` may be q itself (a tile of queries is read before its outputs are written;
+#: on CUDA the result goes there once every query was read); device arrays C-contiguous.
 RULES = OperationRules(queries_at_start=False, dense_kv_prefix=False,
                        any_cache_when_empty=False, out_may_share=OUT_MAY_BE_Q,
-                       device_contiguous=False)
+                       device_contiguous=True)
 
 
 def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=None,
                              kv_input_row_offsets=None, sink_weights=None, out=None,
-                             return_lse=False, config=None):
+                             return_lse=False, config=None, device="auto"):
     """Attention of new query tokens over a KV cache, on the CPU (flash attention).
 
     Query row ``r`` of sequence ``b`` sits at position
@@ -92,6 +94,10 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         Also return the natural-log log-sum-exp of every row, ``[B, S, H]`` or ``[T, H]``.
     config : MHAConfig, optional
         ``block_q`` (query positions per tile) and ``block_k`` (keys per tile).
+    device : {"auto", "cpu", "cuda"}, default "auto"
+        ``"auto"`` runs on CUDA when an input is a device array (C-contiguous there).  With
+        ``"cuda"``, NumPy inputs are copied to the GPU and the results back; device arrays
+        are used in place and the results stay on the device.
 
     Returns
     -------
@@ -108,6 +114,8 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         If an argument has the wrong type or dtype.
     ValueError
         If shapes, offsets, cache tables or the mask do not fit together.
+    numattn.CudaUnavailableError
+        If ``device="cuda"`` and no GPU (or simulator) is available.
 
     Examples
     --------
@@ -123,16 +131,20 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     """
     q, k, v, mask, out, sink_weights = as_arrays(q=q, k=k, v=v, mask=mask, out=out,
                                                  sink_weights=sink_weights)
-    _check_on_host(q, k, v, mask)
     problem = attention_problem(
         q, k, v, mask, scale, rules=RULES, q_offsets=q_input_row_offsets,
-        kv_offsets=kv_input_row_offsets,
-        sink_weights=None if sink_weights is None else to_host(sink_weights), out=out,
-        return_lse=return_lse, config=config, device="cpu",
+        kv_offsets=kv_input_row_offsets, sink_weights=sink_weights, out=out,
+        return_lse=return_lse, config=config, device=device,
     )
-    from .kernels.cpu.flash import run_flash_cpu  # kernel modules load at the first call
+    if problem.device == "cuda":
+        from .kernels.cuda.flash import run_flash_cuda  # kernel modules load at the first call
 
-    result, lse = finish_result(problem, *run_flash_cpu(problem))
+        result, lse = run_flash_cuda(problem)
+    else:
+        from .kernels.cpu.flash import run_flash_cpu
+
+        result, lse = run_flash_cpu(problem)
+    result, lse = finish_result(problem, result, lse)
     return (result, lse) if return_lse else result
 
 

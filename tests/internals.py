@@ -28,7 +28,7 @@ blas_single_thread = cpu_flash._blas_single_thread
 # CUDA kernels (compiled to PTX by the tests) and the host-side tiling of cross attention.
 decode_partitions_cuda = cuda_split_k._decode_partitions_cuda
 decode_reduce_cuda = cuda_split_k._decode_reduce_cuda
-cross_attention_cuda_kernel = cuda_flash._cross_attention_cuda_kernel
+flash_cuda_kernel = cuda_flash._flash_cuda_kernel
 cuda_cross_tiles = cuda_flash._cuda_tiles
 cuda_cross_shared_bytes = cuda_flash._shared_bytes
 

@@ -539,11 +539,12 @@ def test_kernel_compiles_to_ptx(dtype, storage, ptx_compiler):
     idx1, idx2 = types.int64[::1], types.int64[:, ::1]
     scales = types.float32[:, ::1]
     signature = (
-        ft[:, :, ::1], idx1, idx1, idx1, kv, kv, types.int64, idx2, idx1, idx1, scales, scales,
-        types.int64, types.boolean, idx2, ft[:, :, :, ::1], types.boolean, ft, types.int64,
-        types.int64, types.int64, types.int64, ft[:, :, ::1], ft[:, ::1], types.boolean,
+        ft[:, :, ::1], idx1, idx1, idx1, idx1, kv, kv, types.int64, idx2, idx1, idx1, scales,
+        scales, types.int64, types.boolean, idx2, ft[:, :, :, ::1], types.boolean, ft, ft[::1],
+        types.boolean, types.int64, types.int64, types.int64, types.int64, ft[:, :, ::1],
+        ft[:, ::1], types.boolean,
     )
-    ptx = ptx_compiler(internals.cross_attention_cuda_kernel, signature)
+    ptx = ptx_compiler(internals.flash_cuda_kernel, signature)
     assert "bar.sync" in ptx
     if dtype == "float32":  # the tile loops stay in float32 (only the row's 1/l is float64)
         assert ptx.count(".f64") < 40

@@ -171,8 +171,9 @@ def test_cross_attention_reads_stored_kv(name, rng):
 @pytest.mark.parametrize("q_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
 def test_cuda_kernels_read_stored_kv(device, storage, q_name, rng):
-    """Decode and cross attention on CUDA (tiny: the simulator runs kernels as Python) read
-    every format as stored; host 16-bit queries are widened before the copy to the GPU."""
+    """Decode, cross and flash attention on CUDA (tiny: the simulator runs kernels as Python)
+    read every format as stored; host 16-bit queries are widened before the copy to the
+    GPU."""
     k, v = make_step(rng, "paged", [3, 6], [1, 1], 2, 8, storage)
     q = randn(rng, (2, 4, 8), np.float32).astype(dtype_of(q_name))
     sinks = randn(rng, 4, np.float32)
@@ -187,6 +188,13 @@ def test_cuda_kernels_read_stored_kv(device, storage, q_name, rng):
     ref = reference.cross_attention(q, offsets, 1, k, v, offsets, CausalMask(),
                                     return_lse=True)
     check(out, lse, *ref, q_name, f"cross {storage_id(storage)}")
+    k, v = make_step(rng, "paged", [3, 6], [2, 2], 2, 8, storage)
+    q = randn(rng, (2, 2, 4, 8), np.float32).astype(dtype_of(q_name))
+    out, lse = numattn.flash_attention_kv_cache(q, k, v, CausalMask(), sink_weights=sinks,
+                                                device=device, return_lse=True)
+    ref = reference.flash_attention_kv_cache(q, k, v, CausalMask(), sink_weights=sinks,
+                                             return_lse=True)
+    check(out, lse, *ref, q_name, f"flash {storage_id(storage)}")
 
 
 @pytest.mark.parametrize("name", ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])

@@ -29,7 +29,7 @@ from numattn import (
 from numattn.flash import flash_attention_kv_cache
 
 from . import internals
-from .conftest import CPU_PATHS, use_device
+from .conftest import CPU_PATHS, CUDA_MARKS, use_device
 from .utils import CACHE_KINDS, assert_close, make_kv, randn
 
 DTYPES = (np.float32, np.float64)
@@ -37,7 +37,8 @@ DTYPES = (np.float32, np.float64)
 
 @pytest.fixture(params=CPU_PATHS)
 def device(request, monkeypatch):
-    """Numeric tests run through both CPU paths (flash runs on the CPU only, for now)."""
+    """Numeric tests run through both CPU paths; the CUDA kernel's tests are at the end (tiny
+    shapes: the simulator runs kernels as Python)."""
     return use_device(request.param, monkeypatch)
 
 
@@ -59,10 +60,8 @@ def _additive(rng, shape, dtype):
 
 
 def flash(device, *args, **kwargs):
-    """flash_attention_kv_cache on ``device``: the CPU only, for now (the operation takes no
-    ``device`` yet; when it does, pass it on here and add ``cuda_param()`` to ``device``)."""
-    assert device == "cpu", device
-    return flash_attention_kv_cache(*args, **kwargs)
+    """flash_attention_kv_cache on ``device`` ("cpu" or "cuda")."""
+    return flash_attention_kv_cache(*args, device=device, **kwargs)
 
 
 def _check(device, rng, q, k, v, mask, dtype, *, q_offsets=None, kv_offsets=None, sinks=None,
@@ -699,3 +698,57 @@ def test_a_fully_masked_row_gives_0_and_its_sink_logit_whatever_it_holds(device,
                                                       return_lse=True)
     assert_close(out, ref, np.float32)
     assert_close(lse, ref_lse, np.float32)
+
+
+# --------------------------------------------------------------------------------------
+# CUDA (the simulator under tox -e cudasim, or a GPU): the tiled kernel cross attention
+# shares, at the queries' own positions, on tiny shapes.
+# --------------------------------------------------------------------------------------
+CUDA_CONFIG = MHAConfig(block_q=2, block_k=4, threads_per_block=32)
+
+
+@pytest.mark.parametrize("kind", CACHE_KINDS)
+@pytest.mark.parametrize("mask_name", ["causal", "sliding", "chunked", "or", "additive"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_cuda_matches_reference(device, kind, mask_name, rng):
+    """Padded queries over every K/V kind, ragged ones over caches, sinks and the LSE."""
+    dtype = np.float32
+    lengths = [2, 5] if kind != "dense" else [0, 0]
+    k, v = make_kv(rng, kind, lengths, [3, 3], 2, 4, dtype, page_size=3)
+    q = randn(rng, (2, 3, 4, 4), dtype)
+    n = 3 + max(lengths)
+    mask = (_additive(rng, (2, 4, 3, n), dtype) if mask_name == "additive"
+            else MASKS[mask_name](3, n))
+    sinks = randn(rng, 4, dtype)
+    _check(device, rng, q, k, v, mask, dtype, sinks=sinks, config=CUDA_CONFIG)
+    if kind != "dense":  # ragged: one sequence without query rows
+        offsets = np.array([0, 0, 3])
+        kv_offsets = np.array([0, 0, 3])
+        k2, v2 = make_kv(rng, kind, [4, 1], [0, 3], 2, 4, dtype, page_size=3)
+        mask = CausalMask() if mask_name == "additive" else mask
+        _check(device, rng, q[1], k2, v2, mask, dtype, q_offsets=offsets,
+               kv_offsets=kv_offsets, sinks=sinks, config=CUDA_CONFIG)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_cuda_device_arrays_and_out_q(device, rng):
+    """Device inputs stay on the device; ``out=q`` on the device gets the result once every
+    query was read; fully masked rows give 0 and the sink logit."""
+    from numattn.core.device import get_cuda
+
+    cuda = get_cuda()
+    q = randn(rng, (1, 5, 2, 4), np.float32)
+    kv = randn(rng, (1, 7, 1, 4), np.float32)
+    bias = np.zeros((5, 7), np.float32)
+    bias[2] = -np.inf
+    sinks = np.array([0.5, -1.0], np.float32)
+    expected, expected_lse = reference.flash_attention_kv_cache(
+        q, kv, kv, bias, sink_weights=sinks, return_lse=True)
+    d_q, d_kv = cuda.to_device(q), cuda.to_device(kv)
+    out, lse = flash_attention_kv_cache(d_q, d_kv, d_kv, cuda.to_device(bias),
+                                        sink_weights=sinks, out=d_q, return_lse=True,
+                                        config=CUDA_CONFIG)
+    assert out is d_q
+    assert_close(out.copy_to_host(), expected, np.float32)
+    assert_close(lse.copy_to_host(), expected_lse, np.float32)
+    assert np.all(out.copy_to_host()[0, 2] == 0)

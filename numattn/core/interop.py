@@ -6,12 +6,14 @@ read, and written by ``store_kv``, where it lives.  NumPy's DLPack importer has 
 bfloat16; such a tensor is imported through an int16 view of its bits and viewed back as
 ``ml_dtypes.bfloat16`` (PyTorch's ``Tensor.view(dtype)``, or any object with the same
 method), still without a copy.  Objects with ``__cuda_array_interface__`` are device arrays
-and are left to the CUDA backend.
+(and the CUDA simulator's) and are left to the CUDA backend.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from .device import is_device_array
 
 __all__ = ["as_array", "as_arrays"]
 
@@ -29,8 +31,7 @@ def as_array(name, x):
         If ``x`` has ``__dlpack__`` but lives on another device, or has a dtype NumPy
         cannot take even through a view of its bits.
     """
-    if (type(x) is np.ndarray or not hasattr(x, "__dlpack__")
-            or hasattr(x, "__cuda_array_interface__")):
+    if type(x) is np.ndarray or not hasattr(x, "__dlpack__") or is_device_array(x):
         return x
     device = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else _DLPACK_CPU
     if int(device) != _DLPACK_CPU:

@@ -35,6 +35,7 @@ import sys
 
 import numpy as np
 
+from .device import is_device_array
 from .jit import DIGEST_SOURCES, body
 from .validate import INT64_MAX, dtype_of, shape_of
 
@@ -599,15 +600,16 @@ def _binary_program(left, right, op):
 
 
 def as_mask(mask, name="mask"):
-    """Accept a :class:`Mask`, ``None`` (no mask) or an ndarray (a materialized mask)."""
+    """Accept a :class:`Mask`, ``None`` (no mask) or an array, host or device (a
+    materialized mask)."""
     if mask is None:
         return NullMask()
     if isinstance(mask, Mask):
         return mask
-    if isinstance(mask, np.ndarray):
+    if isinstance(mask, np.ndarray) or is_device_array(mask):
         return MaterializedMask(mask)
     raise TypeError(
-        f"{name} must be a numattn mask (NullMask, CausalMask, ...) or an additive ndarray, "
+        f"{name} must be a numattn mask (NullMask, CausalMask, ...) or an additive array, "
         f"got {type(mask).__name__}"
     )
 

@@ -331,8 +331,8 @@ def layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device)
             _check_out_overlap(out, q, layout, step.mask, sinks, step.rules.out_may_share)
     if device == "cpu" or (isinstance(q, np.ndarray) and q.dtype != dtype):
         q = np.ascontiguousarray(q, dtype=dtype)  # 16-bit queries: a float32 copy
-        if q.ndim == 4:
-            q = q.reshape(q_shape[0] * q_shape[1], num_heads, head_dim)
+    if len(q_shape) == 4:  # padded: B sequences of S rows (device arrays are C-contiguous)
+        q = q.reshape(q_shape[0] * q_shape[1], num_heads, head_dim)
     has_sink = sinks is not None
     softmax = SoftmaxArgs(scale, sinks if has_sink else _no_sinks(num_heads, dtype), has_sink)
     queries = QueryRows(q, step.q_offsets, step.q_start_pos, step.max_q_len)

@@ -238,12 +238,24 @@ def _address_range(x):
     return first, last + itemsize
 
 
+def spans_overlap(a, b):
+    """Whether device arrays ``a`` and ``b`` span overlapping addresses (``False`` where one
+    says nothing of its memory)."""
+    ra, rb = _address_range(a), _address_range(b)
+    return ra is not None and rb is not None and ra[0] < rb[1] and rb[0] < ra[1]
+
+
 def same_elements(a, b):
-    """Whether ``a`` and ``b`` are NumPy arrays over exactly the same elements (address,
-    shape and strides), as ``q`` and ``out=q`` are."""
-    return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
-            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-            and a.shape == b.shape and a.strides == b.strides)
+    """Whether ``a`` and ``b`` are arrays over exactly the same elements, as ``q`` and
+    ``out=q`` are: NumPy arrays of the same address, shape and strides, or C-contiguous
+    device arrays over the same addresses (a padded ``q`` is read as its rows)."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+                and a.shape == b.shape and a.strides == b.strides)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return False
+    ra, rb = _address_range(a), _address_range(b)
+    return ra is not None and ra == rb and math.prod(shape_of(a)) == math.prod(shape_of(b))
 
 
 def check_no_overlap(out, inputs):

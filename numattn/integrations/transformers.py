@@ -34,6 +34,7 @@ import math
 import threading
 import weakref
 
+import ml_dtypes
 import numpy as np
 
 try:
@@ -61,8 +62,6 @@ from numattn import (
     flash_attention_kv_cache,
     store_kv,
 )
-from numattn.core.dtypes import ml_dtype
-from numattn.core.interop import as_array
 
 __all__ = ["NAME", "NumattnCache", "numattn_attention", "numattn_mask", "register"]
 
@@ -72,7 +71,7 @@ NAME = "numattn"
 #: Torch dtypes numattn reads in place, and the NumPy dtype each is read as (bfloat16 as
 #: ``ml_dtypes.bfloat16``, through a view of its bits).
 NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
-                torch.float16: np.dtype(np.float16), torch.bfloat16: ml_dtype("bfloat16")}
+                torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16)}
 
 #: Tokens per page of a :class:`NumattnCache` (the pages of all sequences of a layer share one
 #: pool; a sequence takes a new page every ``page_size`` tokens).
@@ -130,7 +129,10 @@ def _host(name, tensor):
     if tensor.device.type != "cpu":
         raise ValueError(f"the numattn attention runs on the CPU here; {name} is on "
                          f"{tensor.device}")
-    return as_array(name, tensor.detach())
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:  # NumPy has no bfloat16 of its own: through its bits
+        return tensor.view(torch.int16).numpy().view(NUMPY_DTYPES[torch.bfloat16])
+    return tensor.numpy()
 
 
 def _to_torch(array):

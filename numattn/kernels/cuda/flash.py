@@ -1,4 +1,4 @@
-"""Tiled (flash) attention of ragged query rows on CUDA.
+"""Tiled (flash) attention of ragged query rows on CUDA: flash and cross attention.
 
 One block per tile of query rows of one sequence x query heads sharing a KV head (at most
 :data:`MAX_ROW_HEADS` row-heads).  Keys are visited in tiles with an online softmax: threads
@@ -18,7 +18,7 @@ import numpy as np
 from ...core.device import is_device_array, require_cuda
 from ...core.jit import body, cuda, cuda_kernel
 from ...core.masks import TILE_FULL, TILE_NONE
-from ...core.validate import dtype_of, row_counts, shape_of
+from ...core.validate import dtype_of, row_counts, shape_of, spans_overlap
 from ..shared.masks import mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
 from ..shared.softmax import accumulate, finish_row, key_weight, max_nan, rescale_factor
@@ -50,15 +50,21 @@ def _shared_bytes(width, keys, itemsize):
     return keys * 8 + width * (keys + 3) * itemsize
 
 
-def run_cross_cuda(problem):
-    """Cross attention of a normalised problem (:class:`numattn.core.problem.AttentionProblem`)
-    on CUDA; returns ``out`` or ``(out, lse)`` with ``problem.return_lse``."""
+def run_flash_cuda(problem):
+    """Flash or cross attention of a normalised problem
+    (:class:`numattn.core.problem.AttentionProblem`) on CUDA: queries at their positions
+    ``q_start_pos[b] + r``, sinks counted once; returns ``(out, lse)`` (``lse`` ``None``
+    without ``problem.return_lse``).  An ``out`` that is a device array over ``q``'s memory
+    gets the result once every query was read (the kernel accumulates in its output)."""
     q, q_offsets, layout, config = problem.q, problem.q_offsets, problem.layout, problem.config
     program, additive, has_additive = problem.mask
     scale, group, out, return_lse = problem.scale, problem.group, problem.out, problem.return_lse
     cuda = require_cuda()
     num_tokens, num_heads, head_dim = shape_of(q)
     dtype = dtype_of(q)
+    caller_out = out
+    if out is not None:  # padded [B, S, H, D]: its rows
+        out = out.reshape(num_tokens, num_heads, head_dim)
 
     def on_device(x):
         if is_device_array(x):
@@ -78,45 +84,55 @@ def run_cross_cuda(problem):
     tile_row0 = (np.arange(tile_seq.shape[0], dtype=np.int64)
                  - np.repeat(np.cumsum(tiles) - tiles, tiles)) * rows
     d_out = on_device(out) if out is not None and is_device_array(out) else None
-    if d_out is None:
+    deferred = d_out is not None and spans_overlap(out, q)  # out=q: written at the end
+    if d_out is None or deferred:
         d_out = cuda.device_array((num_tokens, num_heads, head_dim), dtype=dtype)
     d_lse = cuda.device_array((num_tokens, num_heads) if return_lse else (1, 1), dtype=dtype)
     if tile_seq.shape[0] and num_heads:
-        kernel = cuda_kernel(_cross_attention_cuda_kernel)
+        kernel = cuda_kernel(_flash_cuda_kernel)
         grid = (tile_seq.shape[0], num_heads // heads)
         k_scales, v_scales, has_scales = device_scales(cuda, layout, on_device)
         if has_scales:
             k_scales, v_scales = rows_view(k_scales), rows_view(v_scales)
         shared = _shared_bytes(heads * rows, keys, dtype.itemsize)
         kernel[grid, config.threads_per_block, 0, shared](
-            on_device(q), on_device(q_offsets), on_device(tile_seq), on_device(tile_row0),
+            on_device(q), on_device(q_offsets), on_device(problem.q_start_pos),
+            on_device(tile_seq), on_device(tile_row0),
             rows_view(layout.k_blocks), rows_view(layout.v_blocks), np.int64(layout.page_size),
             on_device(layout.lookup_table), on_device(layout.row_base),
             on_device(layout.num_keys), k_scales, v_scales, np.int64(layout.kv_format),
             has_scales, on_device(program), on_device(additive),
-            bool(has_additive), dtype.type(scale), np.int64(group), np.int64(heads),
-            np.int64(rows), np.int64(keys), d_out, d_lse, bool(return_lse),
+            bool(has_additive), dtype.type(scale), on_device(problem.sinks),
+            bool(problem.has_sink), np.int64(group), np.int64(heads), np.int64(rows),
+            np.int64(keys), d_out, d_lse, bool(return_lse),
         )
-    if out is not None and not is_device_array(out):
+    if deferred:
+        on_device(out).copy_to_device(d_out)
+    elif out is not None and not is_device_array(out):
         d_out.copy_to_host(out)  # a NumPy ``out``: the result lands there
     on_host = not is_device_array(q if out is None else out)
-    result = out if out is not None else (d_out.copy_to_host() if on_host else d_out)
+    if caller_out is not None:
+        result = caller_out
+    else:
+        result = (d_out.copy_to_host() if on_host else d_out).reshape(problem.out_shape)
     if not return_lse:
-        return result
-    return result, (d_lse.copy_to_host() if on_host else d_lse)
+        return result, None
+    lse = d_lse.copy_to_host() if on_host else d_lse
+    return result, lse.reshape(problem.out_shape[:-1])
 
 
 # --------------------------------------------------------------------------------------
 # CUDA kernel (bound with ``cuda_kernel``; plain Python so the simulator can run it).
 # --------------------------------------------------------------------------------------
 @body
-def _visible_key(program, status, additive, has_additive, mask_b, mask_h, r, key, k_last):
+def _visible_key(program, status, additive, has_additive, mask_b, mask_h, q0, r, key, k_last):
     """True when key ``key`` (of a tile ending at ``k_last``) is visible from query row
-    ``r``: inside the tile, shown by the mask program and not hidden by the additive
-    tensor (head ``mask_h`` of its sequence ``mask_b``)."""
+    ``r`` (at position ``q0 + r``): inside the tile, shown by the mask program and not
+    hidden by the additive tensor (row ``r`` of head ``mask_h`` of its sequence
+    ``mask_b``)."""
     if key > k_last:
         return False
-    if status != TILE_NONE and not mask_visible(program, r, key):
+    if status != TILE_NONE and not mask_visible(program, q0 + r, key):
         return False
     return not has_additive or additive[mask_b, mask_h, r, key] != -math.inf
 
@@ -129,11 +145,13 @@ def _row_head_of(i, heads_per_block, token0, h0):
     return token0 + local_row, h0 + i - local_row * heads_per_block
 
 
-def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_rows, page_size,
-                                 lookup_table, row_base, num_keys, k_scales, v_scales, kv_format,
-                                 has_scales, program, additive, has_additive, scale, group,
-                                 heads_per_block, rows_per_block, block_k, out, lse, write_lse):
-    """One block: query rows ``r0 ..`` of sequence ``b`` x query heads ``h0 ..``.
+def _flash_cuda_kernel(q, q_offsets, q_start_pos, tile_seq, tile_row0, k_rows, v_rows,
+                       page_size, lookup_table, row_base, num_keys, k_scales, v_scales,
+                       kv_format, has_scales, program, additive, has_additive, scale, sinks,
+                       has_sink, group, heads_per_block, rows_per_block, block_k, out, lse,
+                       write_lse):
+    """One block: query rows ``r0 ..`` of sequence ``b`` (at positions ``q_start_pos[b] +
+    r``) x query heads ``h0 ..``.
 
     The block's row-heads are ``i = local_row * heads_per_block + local_head``.
     ``k_rows``/``v_rows`` are the cache blocks viewed as ``[pages * page_size, Hkv, D]``.
@@ -152,6 +170,7 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
     tid = cuda.threadIdx.x
     num_threads = cuda.blockDim.x
     token0 = q_offsets[b] + r0
+    q0 = q_start_pos[b]
     rows = min(rows_per_block, q_offsets[b + 1] - token0)
     width = rows * heads_per_block
     n = num_keys[b]
@@ -174,32 +193,32 @@ def _cross_attention_cuda_kernel(q, q_offsets, tile_seq, tile_row0, k_rows, v_ro
     started = False
     for k0 in range(0, n, block_k):
         k_last = min(k0 + block_k, n) - 1
-        status = mask_tile_status(program, r0, r0 + rows - 1, k0, k_last)
+        status = mask_tile_status(program, q0 + r0, q0 + r0 + rows - 1, k0, k_last)
         if status == TILE_FULL:
             continue
         _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv_format,
-                          has_scales, program, additive, has_additive, scale, b, token0, r0,
-                          rows, h0, heads_per_block, group, block_k, k0, k_last, status,
+                          has_scales, program, additive, has_additive, scale, b, token0, q0,
+                          r0, rows, h0, heads_per_block, group, block_k, k0, k_last, status,
                           key_row, scores)
         cuda.syncthreads()
         _tile_rescale_cuda(scores, row_max, rescale, width, block_k, k_last - k0 + 1)
         cuda.syncthreads()
-        _tile_weights_cuda(program, additive, has_additive, b, r0, h0, heads_per_block, width,
-                           block_k, k0, k_last, status, row_max, scores)
+        _tile_weights_cuda(program, additive, has_additive, b, q0, r0, h0, heads_per_block,
+                           width, block_k, k0, k_last, status, row_max, scores)
         cuda.syncthreads()
         _tile_values_cuda(v_rows, v_scales, kv_format, has_scales, key_row, scores, rescale,
                           token0, h0, heads_per_block, group, width, block_k, k_last - k0 + 1,
                           started, zero, row_sum, out)
         started = True
         cuda.syncthreads()
-    _finish_rows_cuda(row_max, row_sum, rescale, token0, h0, heads_per_block, width, started,
-                      zero, out, lse, write_lse)
+    _finish_rows_cuda(row_max, row_sum, rescale, sinks, has_sink, token0, h0, heads_per_block,
+                      width, started, zero, out, lse, write_lse)
 
 
 @body
 def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv_format,
-                      has_scales, program, additive, has_additive, scale, b, token0, r0, rows,
-                      h0, heads_per_block, group, block_k, k0, k_last, status, key_row,
+                      has_scales, program, additive, has_additive, scale, b, token0, q0, r0,
+                      rows, h0, heads_per_block, group, block_k, k0, k_last, status, key_row,
                       scores):
     """``scores[i * block_k + j]``: the score of key ``k0 + j`` for row-head ``i`` (``-inf``
     where the mask or the additive tensor hides it) and ``key_row[j]``: its cache row.
@@ -224,7 +243,7 @@ def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv
             r = r0 + lr
             visible = key <= k_last
             if visible and status != TILE_NONE:
-                visible = mask_visible(program, r, key)
+                visible = mask_visible(program, q0 + r, key)
             for hl in range(heads_per_block):
                 i = lr * heads_per_block + hl
                 h = h0 + hl
@@ -260,7 +279,7 @@ def _tile_rescale_cuda(scores, row_max, rescale, width, block_k, num_keys):
 
 
 @body
-def _tile_weights_cuda(program, additive, has_additive, b, r0, h0, heads_per_block, width,
+def _tile_weights_cuda(program, additive, has_additive, b, q0, r0, h0, heads_per_block, width,
                        block_k, k0, k_last, status, row_max, scores):
     """Scores become the keys' weights (:func:`.key_weight`); hidden keys stay ``-inf``.
 
@@ -274,7 +293,7 @@ def _tile_weights_cuda(program, additive, has_additive, b, r0, h0, heads_per_blo
         i = idx // block_k
         mask_h = h0 + i % heads_per_block if per_head_mask else 0
         if s != -math.inf or _visible_key(program, status, additive, has_additive, mask_b,
-                                          mask_h, r0 + i // heads_per_block,
+                                          mask_h, q0, r0 + i // heads_per_block,
                                           k0 + idx % block_k, k_last):
             scores[idx] = key_weight(s, row_max[i])
 
@@ -313,18 +332,20 @@ def _tile_values_cuda(v_rows, v_scales, kv_format, has_scales, key_row, weights,
 
 
 @body
-def _finish_rows_cuda(row_max, row_sum, rescale, token0, h0, heads_per_block, width, started,
-                      zero, out, lse, write_lse):
-    """Finish the rows (:func:`.finish_row`): ``out = acc / l`` (0 for a row with no visible
-    key), ``lse = m + log(l)``; the row's factor goes through ``rescale``."""
+def _finish_rows_cuda(row_max, row_sum, rescale, sinks, has_sink, token0, h0, heads_per_block,
+                      width, started, zero, out, lse, write_lse):
+    """Finish the rows (:func:`.finish_row`, the head's sink counted once): ``out = acc / l``
+    (0 for a row with no visible key), ``lse = m + log(l)``; the row's factor goes through
+    ``rescale``."""
     tid = cuda.threadIdx.x
     num_threads = cuda.blockDim.x
     head_dim = out.shape[2]
     for i in range(tid, width, num_threads):
-        out_scale, row_lse = finish_row(row_max[i], row_sum[i], zero, False)
+        token, h = _row_head_of(i, heads_per_block, token0, h0)
+        sink = sinks[h] if has_sink else zero
+        out_scale, row_lse = finish_row(row_max[i], row_sum[i], sink, has_sink)
         rescale[i] = out_scale
         if write_lse:
-            token, h = _row_head_of(i, heads_per_block, token0, h0)
             lse[token, h] = row_lse
     cuda.syncthreads()
     for idx in range(tid, width * head_dim, num_threads):
