@@ -149,18 +149,17 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
 
 
 def _check_on_host(q, k, v, mask):
-    """This operation runs on the CPU: its arrays must be NumPy arrays (sink weights are
-    read back to the host).  ``q`` and ``mask`` may be ``None``: not checked."""
+    """A :class:`FlashPlan` runs on the CPU: its arrays must be NumPy arrays (sink weights
+    are read back to the host).  ``q`` and ``mask`` may be ``None``: not checked."""
     if q is not None and not isinstance(q, np.ndarray):
         check_array("q", q)
         raise TypeError(
-            f"q must be a NumPy array (flash_attention_kv_cache runs on the CPU), got "
-            f"{type(q).__name__}"
+            f"q must be a NumPy array (a FlashPlan runs on the CPU), got {type(q).__name__}"
         )
     for name, x in (("k", k), ("v", v)):
         data = x.blocks if isinstance(x, KVCache) else x
         if hasattr(data, "__cuda_array_interface__") and not isinstance(data, np.ndarray):
-            raise TypeError(f"{name} must be held in NumPy arrays (this operation runs on the "
+            raise TypeError(f"{name} must be held in NumPy arrays (a FlashPlan runs on the "
                             "CPU), got a device array")
     additive = None if mask is None else compile_mask(mask)[1]
     if additive is not None and not isinstance(additive, np.ndarray):
