@@ -44,7 +44,7 @@ RULES = OperationRules(queries_at_start=False, dense_kv_prefix=False,
 
 def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=None,
                              kv_input_row_offsets=None, sink_weights=None, out=None,
-                             return_lse=False, config=None):
+                             return_lse=False, config=None, _positions=None):
     """Attention of new query tokens over a KV cache, on the CPU (flash attention).
 
     Query row ``r`` of sequence ``b`` sits at position
@@ -85,6 +85,9 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         Also return the natural-log log-sum-exp of every row, ``[B, S, H]`` or ``[T, H]``.
     config : MHAConfig, optional
         ``block_q`` (query positions per tile) and ``block_k`` (keys per tile).
+    _positions : (int, int), optional
+        Internal (:mod:`numattn.dask`): ``(q_offset, k_offset)`` added to the query and key
+        positions the mask sees, when ``k`` and ``v`` are a shard of longer sequences.
 
     Returns
     -------
@@ -118,7 +121,7 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         q, k, v, mask, scale, rules=RULES, q_offsets=q_input_row_offsets,
         kv_offsets=kv_input_row_offsets,
         sink_weights=None if sink_weights is None else to_host(sink_weights), out=out,
-        return_lse=return_lse, config=config, device="cpu",
+        return_lse=return_lse, config=config, device="cpu", positions=_positions,
     )
     from .kernels.cpu.flash import run_flash_cpu  # kernel modules load at the first call
 
