@@ -284,7 +284,7 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
     out_ind = "bnhd" if decode else "bnshd"
     parts = da.blockwise(
         _partial_state, out_ind, *args, adjust_chunks={"n": 1, "d": head_dim + 1},
-        align_arrays=False, concatenate=True, dtype=dtype,
+        align_arrays=False, concatenate=False, dtype=dtype,
         meta=np.empty((0,) * len(out_ind), dtype=dtype), operation=operation, mask=mask,
         num_keys=num_keys, scale=scale, sink_weights=sink_weights, score_mod=score_mod,
         decode=decode,
@@ -315,7 +315,13 @@ def _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks, 
 def _partial_state(q, k, v, chunk_id, tensor=None, *, operation, mask, num_keys, scale,
                    sink_weights, score_mod, decode):
     """One (batch chunk, key chunk) task: the single-process operation over the chunk's
-    keys at their global positions; returns ``[b, 1, (S,) H, D + 1]``."""
+    keys at their global positions; returns ``[b, 1, (S,) H, D + 1]``.
+
+    The arrays come as blocks, each in one list per axis it has but the result has not
+    (Hkv of K/V, the additive tensor's rows): those axes are one chunk, so the block is
+    the only element, taken as it is (concatenating would copy the K/V chunk).
+    """
+    q, k, v, chunk_id, tensor = (_only_block(x) for x in (q, k, v, chunk_id, tensor))
     index, n0 = int(chunk_id[0, 0]), int(chunk_id[0, 1])
     n = k.shape[1]
     sinks = sink_weights if index == 0 else None  # counted once: in the first key chunk
@@ -333,6 +339,12 @@ def _partial_state(q, k, v, chunk_id, tensor=None, *, operation, mask, num_keys,
                              np.ascontiguousarray(v), mask, scale, sink_weights=sinks,
                              return_lse=True, _positions=(q_offset, n0), **extra)
     return _pack(out, lse)[:, None]
+
+
+def _only_block(x):
+    while isinstance(x, (list, tuple)):
+        (x,) = x
+    return x
 
 
 def _pack(out, lse):

@@ -51,8 +51,7 @@ def client():
     """Two worker processes of one thread each (the kernels load from the on-disk cache
     that the single-process calls of each test fill first)."""
     with distributed.LocalCluster(processes=True, n_workers=2, threads_per_worker=1,
-                                  dashboard_address=None,
-                                  env={"NUMBA_NUM_THREADS": "1"}) as cluster, \
+                                  dashboard_address=None) as cluster, \
             distributed.Client(cluster) as c:
         yield c
 
