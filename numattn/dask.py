@@ -270,23 +270,36 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
     compile_mask(mask)  # the mask's own checks: one MaterializedMask, none under '|'
     mask, tensor = _split_tensor(mask)
 
-    # The blocks each task reads: q whole but for B; an additive tensor cut like K/V.
+    # The blocks each task reads: q cut like K/V along B and whole along H and D; along S,
+    # as given, or (given whole) in pieces smaller than a key chunk's K and V, so that the
+    # scheduler, which runs a task where most of its input bytes are, runs each where its
+    # K/V chunk is and sends it the queries.  An additive tensor is cut like q and K/V.
     b_chunks, n_chunks = k.chunks[0], k.chunks[1]
-    q = q.rechunk((b_chunks, *q.shape[1:]))
+    if decode:
+        q = q.rechunk((b_chunks, num_heads, head_dim))
+    else:
+        s_chunks = q.chunks[1] if len(q.chunks[1]) > 1 else _query_pieces(
+            q_rows, max(n_chunks, default=0), num_heads, num_kv_heads)
+        q = q.rechunk((b_chunks, s_chunks, num_heads, head_dim))
     starts = np.cumsum((0, *n_chunks[:-1]), dtype=np.int64)
     chunk_ids = da.from_array(np.stack([np.arange(len(n_chunks)), starts], axis=1),
                               chunks=(1, 2))
-    q_ind = "bhd" if decode else "bshd"
-    args = [q, q_ind, k, "bnkd", v, "bnkd", chunk_ids, "nz"]
+    if decode:
+        args = [q, "bhd", k, "bnkd", v, "bnkd", chunk_ids, "nz", None, None]
+    else:
+        row_starts = np.cumsum((0, *q.chunks[1][:-1]), dtype=np.int64)
+        args = [q, "bshd", k, "bnkd", v, "bnkd", chunk_ids, "nz",
+                da.from_array(row_starts, chunks=1), "s"]
     if tensor is not None:
         args += _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks,
-                               n_chunks)
+                               n_chunks, None if decode else q.chunks[1])
     out_ind = "bnhd" if decode else "bnshd"
     parts = da.blockwise(
         _partial_state, out_ind, *args, adjust_chunks={"n": 1, "d": head_dim + 1},
         align_arrays=False, concatenate=False, dtype=dtype,
         meta=np.empty((0,) * len(out_ind), dtype=dtype), operation=operation, mask=mask,
-        num_keys=num_keys, scale=scale, sink_weights=sink_weights, score_mod=score_mod,
+        num_keys=num_keys, num_rows=q_rows, scale=scale, sink_weights=sink_weights,
+        score_mod=score_mod,
         decode=decode,
     )
     merged = da.reduction(parts, _keep_part, _merge_parts, combine=_merge_parts, axis=1,
@@ -296,33 +309,46 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
     return (out, merged[..., head_dim]) if return_lse else out
 
 
-def _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks, n_chunks):
+def _query_pieces(rows, kv_chunk_keys, num_heads, num_kv_heads):
+    """Chunks along S of q pieces of at most half a key chunk's K and V bytes:
+    ``kv_chunk_keys * Hkv / H`` rows (at least one)."""
+    piece = max(1, kv_chunk_keys * num_kv_heads // num_heads)
+    return (piece,) * (rows // piece) + ((rows % piece,) if rows % piece or not rows else ())
+
+
+def _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks, n_chunks,
+                   s_chunks):
     """The additive tensor as blockwise arguments: checked as the operation checks it, its
-    first ``N`` columns cut like K/V along ``B`` and ``N``."""
+    first ``N`` columns cut like K/V along ``B`` and ``N``, its rows like q's (``s_chunks``;
+    ``None``: decode's one row)."""
     additive_4d(tensor, batch=batch, num_heads=num_heads, max_q_len=q_rows, max_keys=num_keys,
                 dtype=dtype, exact_rows=True)
     tensor = _as_dask("mask", tensor)[..., :num_keys]
+    rows, s = ((q_rows,), "z") if s_chunks is None else (s_chunks, "s")
     if tensor.ndim == 2:
-        return [tensor.rechunk((q_rows, n_chunks)), "zn"]
+        return [tensor.rechunk((rows, n_chunks)), f"{s}n"]
     if tensor.ndim == 3:
-        return [tensor.rechunk((b_chunks, q_rows, n_chunks)), "bzn"]
-    return [tensor.rechunk((b_chunks, num_heads, q_rows, n_chunks)), "bhzn"]
+        return [tensor.rechunk((b_chunks, rows, n_chunks)), f"b{s}n"]
+    return [tensor.rechunk((b_chunks, num_heads, rows, n_chunks)), f"bh{s}n"]
 
 
 # --------------------------------------------------------------------------------------
 # The tasks.  A partial state is out and lse side by side: [..., D + 1], lse last.
 # --------------------------------------------------------------------------------------
-def _partial_state(q, k, v, chunk_id, tensor=None, *, operation, mask, num_keys, scale,
-                   sink_weights, score_mod, decode):
-    """One (batch chunk, key chunk) task: the single-process operation over the chunk's
-    keys at their global positions; returns ``[b, 1, (S,) H, D + 1]``.
+def _partial_state(q, k, v, chunk_id, row_start, tensor=None, *, operation, mask, num_keys,
+                   num_rows, scale, sink_weights, score_mod, decode):
+    """One (batch chunk, key chunk(, query piece)) task: the single-process operation over
+    the chunk's keys and the piece's queries at their global positions; returns
+    ``[b, 1, (s,) H, D + 1]``.
 
     The arrays come as blocks, each in one list per axis it has but the result has not
     (Hkv of K/V, the additive tensor's rows): those axes are one chunk, so the block is
     the only element, taken as it is (concatenating would copy the K/V chunk).
     """
-    q, k, v, chunk_id, tensor = (_only_block(x) for x in (q, k, v, chunk_id, tensor))
+    q, k, v, chunk_id, row_start, tensor = (
+        _only_block(x) for x in (q, k, v, chunk_id, row_start, tensor))
     index, n0 = int(chunk_id[0, 0]), int(chunk_id[0, 1])
+    s0, rows = (0, 1) if decode else (int(row_start[0]), q.shape[1])
     n = k.shape[1]
     sinks = sink_weights if index == 0 else None  # counted once: in the first key chunk
     if n == 0 or q.shape[0] == 0:
@@ -334,7 +360,8 @@ def _partial_state(q, k, v, chunk_id, tensor=None, *, operation, mask, num_keys,
         if tensor is not None:
             mask = mask & MaterializedMask(np.ascontiguousarray(tensor))
         extra = {} if score_mod is None else {"score_mod": score_mod}
-        q_offset = num_keys - n  # the local query position N_chunk - S + r, made global
+        # the kernels' query position n - rows + r, made global: N - S + s0 + r
+        q_offset = (num_keys - num_rows + s0) - (n - rows)
         out, lse = operation(np.ascontiguousarray(q), np.ascontiguousarray(k),
                              np.ascontiguousarray(v), mask, scale, sink_weights=sinks,
                              return_lse=True, _positions=(q_offset, n0), **extra)

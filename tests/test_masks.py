@@ -210,7 +210,7 @@ def test_builtin_leaves_mean_what_the_contract_says(cls):
 
 #: Position offsets ``(q_offset, k_offset)`` of the shifted-program checks (a shard of
 #: keys at ``k_offset`` of a longer sequence), up to where INT64_MIN spans would wrap.
-POSITIONS = [(0, 0), (3, 0), (0, 7), (11, 5), (40, 33), (2**62, 2**62)]
+POSITIONS = [(0, 0), (3, 0), (0, 7), (11, 5), (-6, 9), (40, 33), (2**62, 2**62)]
 
 
 @pytest.mark.parametrize("positions", POSITIONS, ids=str)
@@ -239,7 +239,7 @@ def test_program_positions_shift_what_every_leaf_sees(mask, positions):
 
 
 def test_program_positions_are_checked():
-    for bad, exc in [((-1, 0), ValueError), ((0, -3), ValueError), ((1.5, 0), ValueError),
+    for bad, exc in [((0, -1), ValueError), ((-2**63, 0), ValueError), ((1.5, 0), ValueError),
                      ([1, 2], TypeError), ((1, 2, 3), TypeError)]:
         with pytest.raises(exc, match="positions"):
             M.compile_mask(M.CausalMask(), positions=bad)

@@ -621,7 +621,7 @@ def compile_mask(mask, name="mask", *, positions=None):
     name : str
         The argument's name, for error messages.
     positions : (int, int), optional
-        Internal: ``(q_offset, k_offset)``, both >= 0, added to the kernels' query and key
+        Internal: ``(q_offset, k_offset)``, ``k_offset >= 0``, added to the kernels' query and key
         positions before each leaf reads them (the kernels see the keys of one shard of a
         sequence from 0, the mask the positions of the whole sequence).  The program then
         has two more columns: rows ``(opcode, parameter, q_offset, k_offset)``, made
@@ -670,9 +670,9 @@ def _shifted_program(program, positions):
     """``program`` with the columns ``q_offset, k_offset`` of ``positions`` on every row."""
     if not (isinstance(positions, tuple) and len(positions) == 2):
         raise TypeError(f"positions must be a tuple (q_offset, k_offset), got {positions!r}")
-    for what, value in zip(("q_offset", "k_offset"), positions):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"positions: {what} must be an integer >= 0, got {value!r}")
+    for what, value, least in zip(("q_offset", "k_offset"), positions, (-INT64_MAX, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise ValueError(f"positions: {what} must be an integer >= {least}, got {value!r}")
     shifted = np.empty((program.shape[0], 4), dtype=np.int64)
     shifted[:, :2] = program
     shifted[:, 2:] = positions
