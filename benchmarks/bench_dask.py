@@ -56,36 +56,45 @@ def one_numba_thread():
 
 
 def received(dask_worker):
-    """Bytes this worker has received from other workers so far."""
-    return sum(entry["total"] for entry in dask_worker.transfer_incoming_log)
+    """Bytes this worker has received from other workers so far: ``[K/V bytes, others]``."""
+    kv = other = 0
+    for entry in dask_worker.transfer_incoming_log:
+        for key, size in entry["keys"].items():
+            name = str(key[0] if isinstance(key, tuple) else key)
+            if name.startswith("standard_normal"):
+                kv += size
+            else:
+                other += size
+    return [kv, other]
 
 
 def persisted_kv(client, num_keys, seed):
-    """K and V ``[1, N, Hkv, D]`` float32 generated on the workers in two key chunks, one
-    held by each worker; and the same arrays in this process."""
+    """K and V ``[1, N, Hkv, D]`` float32 generated on the workers in two key chunks, chunk
+    ``j`` held by worker ``j``; and the same arrays in this process."""
     workers = sorted(client.scheduler_info()["workers"])[:2]
-    half = num_keys // 2
+    shape, chunks = (1, num_keys, KV_HEADS, HEAD_DIM), (1, num_keys // 2, KV_HEADS, HEAD_DIM)
     arrays = []
     for part in range(2):
-        chunks = []
-        for i, worker in enumerate(workers):
-            rng = da.random.default_rng(seed + 10 * part + i)
-            x = rng.standard_normal((1, half, KV_HEADS, HEAD_DIM),
-                                    chunks=(1, half, KV_HEADS, HEAD_DIM), dtype=np.float32)
-            chunks.append(client.persist(x, workers=[worker], allow_other_workers=False))
-        distributed.wait(chunks)
-        arrays.append(da.concatenate(chunks, axis=1))
-    local = [x.compute() for x in arrays]
-    placement = {i: sorted(next(iter(client.who_has(c).values())))
-                 for i, c in enumerate(chunks)}
+        with dask.annotate(workers=lambda key: [workers[key[2]]], allow_other_workers=False):
+            x = da.random.default_rng(seed + part).standard_normal(shape, chunks=chunks,
+                                                                   dtype=np.float32)
+        arrays.append(client.persist(x, optimize_graph=False))
+    distributed.wait(arrays)
+    # the blocks straight to this process (x.compute() would first gather them on a worker)
+    local = [np.concatenate(client.gather(sorted(distributed.futures_of(x),
+                                                 key=lambda f: f.key[2])), axis=1)
+             for x in arrays]
+    placement = {f"keys {key[2]}": sorted(who)
+                 for key, who in client.who_has(arrays[0]).items()}
     return arrays, local, placement
 
 
 def step_bytes(client, fn):
-    """Bytes the workers received during one call of ``fn`` (which returns the result)."""
-    before = sum(client.run(received).values())
+    """Bytes the workers received from each other during one call of ``fn`` (which returns
+    the result): ``([K/V bytes, other bytes], result)``."""
+    before = np.sum(list(client.run(received).values()), axis=0)
     result = fn()
-    return sum(client.run(received).values()) - before, result
+    return (np.sum(list(client.run(received).values()), axis=0) - before).tolist(), result
 
 
 def report(label, times, single_label="one process, 2 threads"):
@@ -136,9 +145,9 @@ def main(argv=None):
         report("decode step", interleaved_times([dask_decode, single_decode],
                                                 repeat=args.repeat))
         partial = HEADS * (HEAD_DIM + 1) * 4
-        print(f"  bytes between workers per step: {moved} (one key chunk's partial output "
-              f"and LSE: {partial}; q: {q.nbytes}); result to the client: {got.nbytes}; "
-              f"K/V: {kv_bytes} (never moved); max |dask - one process| = {error:.2e}")
+        print(f"  bytes between workers per step: {moved[1]} (one key chunk's partial output "
+              f"and LSE: {partial}; q: {q.nbytes}) and {moved[0]} of K/V (of {kv_bytes}); "
+              f"result to the client: {got.nbytes}; max |dask - one process| = {error:.2e}")
         del kd, vd, k, v
 
         # -- the fixed cost of a step: graph, scheduling, the merge, the way back --
@@ -167,10 +176,10 @@ def main(argv=None):
                 report(f"flash {type(mask).__name__}",
                        interleaved_times([dask_flash, single_flash],
                                          repeat=max(1, args.repeat // 2), warmup=0))
-                print(f"  bytes between workers per call: {moved} (one partial state: "
-                      f"{FLASH_LEN * HEADS * (HEAD_DIM + 1) * 4}); q and the result: "
-                      f"{q.nbytes + got.nbytes}; K/V {k.nbytes + v.nbytes} (never moved); "
-                      f"max |dask - one process| = {error:.2e}")
+                print(f"  bytes between workers per call: {moved[1]} (q: {q.nbytes}; the "
+                      f"partial states of one key chunk: "
+                      f"{FLASH_LEN * HEADS * (HEAD_DIM + 1) * 4}) and {moved[0]} of K/V (of "
+                      f"{k.nbytes + v.nbytes}); max |dask - one process| = {error:.2e}")
     print(f"load average after: {os.getloadavg()}")
 
 

@@ -63,8 +63,10 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, sink_weights=None, sc
     Parameters
     ----------
     q : dask.array.Array or ndarray, shape [B, S, H, D], float32 or float64
-        The queries.  Rechunked to K/V's chunks along ``B`` and whole along ``S``, ``H``
-        and ``D`` (the queries are small next to the keys; every key chunk reads them all).
+        The queries.  Rechunked to K/V's chunks along ``B`` and whole along ``H`` and
+        ``D``; along ``S`` chunked as given or, given whole, cut into pieces of at most
+        half a key chunk's K and V bytes (so that each task runs where its K/V chunk is,
+        and the queries travel to it).
     k, v : dask.array.Array, shape [B, N, Hkv, D]
         Keys and values of ``q``'s dtype with the same chunks, chunked along ``B`` and/or
         ``N`` only (one chunk along ``Hkv`` and ``D``).  NumPy arrays are taken as one chunk.
@@ -294,19 +296,22 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
         args += _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks,
                                n_chunks, None if decode else q.chunks[1])
     out_ind = "bnhd" if decode else "bnshd"
-    parts = da.blockwise(
-        _partial_state, out_ind, *args, adjust_chunks={"n": 1, "d": head_dim + 1},
-        align_arrays=False, concatenate=False, dtype=dtype,
-        meta=np.empty((0,) * len(out_ind), dtype=dtype), operation=operation, mask=mask,
-        num_keys=num_keys, num_rows=q_rows, scale=scale, sink_weights=sink_weights,
-        score_mod=score_mod,
-        decode=decode,
-    )
+    parts = _partial_states(args, out_ind, head_dim, dtype, operation=operation, mask=mask,
+                            num_keys=num_keys, num_rows=q_rows, scale=scale,
+                            sink_weights=sink_weights, score_mod=score_mod, decode=decode)
     merged = da.reduction(parts, _keep_part, _merge_parts, combine=_merge_parts, axis=1,
                           split_every=2, dtype=dtype, concatenate=True,
                           meta=np.empty((0,) * (len(out_ind) - 1), dtype=dtype))
     out = merged[..., :head_dim]
     return (out, merged[..., head_dim]) if return_lse else out
+
+
+def _partial_states(args, out_ind, head_dim, dtype, **kwargs):
+    """The blockwise layer of partial states, ``[B, key chunks, (S,) H, D + 1]``."""
+    return da.blockwise(
+        _partial_state, out_ind, *args, adjust_chunks={"n": 1, "d": head_dim + 1},
+        align_arrays=False, concatenate=False, dtype=dtype,
+        meta=np.empty((0,) * len(out_ind), dtype=dtype), **kwargs)
 
 
 def _query_pieces(rows, kv_chunk_keys, num_heads, num_kv_heads):
