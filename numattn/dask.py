@@ -113,7 +113,7 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, sink_weights=None, sc
     >>> mask = numattn.SlidingWindowCausalMask(5)
     >>> out = numattn.dask.flash_attention_kv_cache(q, kd, vd, mask)
     >>> out
-    dask.array<getitem, shape=(2, 3, 4, 8), dtype=float32, chunksize=(1, 3, 4, 8), ...>
+    dask.array<getitem, shape=(2, 3, 4, 8), dtype=float32, chunksize=(1, 2, 4, 8), ...>
     >>> expected = numattn.flash_attention_kv_cache(q, k, v, mask)
     >>> bool(np.allclose(out.compute(scheduler="threads"), expected, atol=1e-6))
     True
