@@ -307,3 +307,15 @@ def test_import_without_dask_says_how_to_install():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=env, check=True)
     assert "pip install numattn[dask]" in result.stdout, result.stdout + result.stderr
+
+
+def test_dask_demo_matches_one_process():
+    """``numattn demo --dask``'s loop: every sharded decode call equals the single-process
+    one, and a step moves a few partial states, not the cache."""
+    from numattn.tools.demo import run_dask_demo
+
+    result = run_dask_demo(batch=2, prompt_length=64, new_tokens=3, workers=2)
+    assert result.generated.shape == (2, 3)
+    assert 0 <= result.max_difference <= 1e-5
+    assert len(result.worker_bytes) == 3 and max(result.worker_bytes[1:]) < result.held_bytes
+    assert result.partial_bytes == 2 * 8 * (32 + 1) * 4
