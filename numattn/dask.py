@@ -3,8 +3,9 @@
 ``numattn.dask`` runs :func:`numattn.flash_attention_kv_cache` and
 :func:`numattn.decode_attention` on padded dense inputs held as :mod:`dask.array` arrays,
 chunked along the batch ``B`` and the keys ``N``: every chunk of keys is attended where it
-lives (one task per (batch chunk, key chunk) that calls the single-process CPU operation on
-its blocks, with ``return_lse=True``), and the partial results are combined with
+lives (one task per (batch chunk, key chunk), and per piece of the queries for flash, that
+calls the single-process CPU operation on its blocks, with ``return_lse=True``), and the
+partial results are combined with
 :func:`numattn.merge_states` in a tree of pairs (``ceil(log2(key chunks))`` levels deep).
 K and V never move: what travels is each task's partial output and log-sum-exp,
 ``B S H (D + 1)`` numbers per key chunk, and the queries.
