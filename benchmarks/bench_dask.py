@@ -117,7 +117,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     with dask.config.set({"distributed.scheduler.work-stealing": False}), \
             distributed.LocalCluster(processes=True, n_workers=2, threads_per_worker=1,
-                                     dashboard_address=None) as cluster, \
+                                     dashboard_address=":0") as cluster, \
             distributed.Client(cluster) as client:
         for worker in client.scheduler_info()["workers"]:  # each worker's one task thread
             client.submit(one_numba_thread, workers=[worker], pure=False).result()

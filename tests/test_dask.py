@@ -55,7 +55,7 @@ def client():
 
     with dask.config.set({"distributed.scheduler.work-stealing": False}), \
             distributed.LocalCluster(processes=True, n_workers=2, threads_per_worker=1,
-                                  dashboard_address=None) as cluster, \
+                                  dashboard_address=":0") as cluster, \
             distributed.Client(cluster) as c:
         yield c
 

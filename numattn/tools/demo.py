@@ -324,7 +324,7 @@ def run_dask_demo(*, batch=2, prompt_length=2048, new_tokens=8, seed=0, workers=
         return sum(entry["total"] for entry in dask_worker.transfer_incoming_log)
 
     with distributed.LocalCluster(processes=True, n_workers=workers, threads_per_worker=1,
-                                  dashboard_address=None) as cluster, \
+                                  dashboard_address=":0") as cluster, \
             distributed.Client(cluster) as client:
         addresses = sorted(client.scheduler_info()["workers"])
         bounds = np.linspace(0, prompt_length, workers + 1).astype(int)
