@@ -47,7 +47,7 @@ RULES = OperationRules(queries_at_start=False, dense_kv_prefix=False,
 
 def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
                      num_partitions=None, device="auto", out=None, return_lse=False,
-                     config=None):
+                     config=None, _positions=None):
     """Attention of one new query token per sequence over its KV cache (split-K).
 
     The new token's K and V rows are already in the cache, so sequence ``b`` attends over
@@ -89,6 +89,9 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
     config : MHAConfig, optional
         ``block_k`` (tile and partition alignment), ``num_partitions`` (default for the
         argument), ``threads_per_block`` (CUDA).
+    _positions : (int, int), optional
+        Internal (:mod:`numattn.dask`): ``(q_offset, k_offset)`` added to the query and key
+        positions the mask sees, when ``k`` and ``v`` are a shard of longer sequences.
 
     Returns
     -------
@@ -130,7 +133,7 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
     )
     problem = attention_problem(q, k, v, mask, scale, rules=RULES, one_row=True,
                                 sink_weights=sink_weights, out=out, return_lse=return_lse,
-                                config=config, device=device)
+                                config=config, device=device, positions=_positions)
     result, lse = _run(problem, num_partitions, None)
     return (result, lse) if return_lse else result
 

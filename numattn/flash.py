@@ -49,7 +49,7 @@ RULES = OperationRules(queries_at_start=False, dense_kv_prefix=False,
 
 def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=None,
                              kv_input_row_offsets=None, sink_weights=None, out=None,
-                             return_lse=False, config=None, device="auto"):
+                             return_lse=False, config=None, device="auto", _positions=None):
     """Attention of new query tokens over a KV cache, on the CPU (flash attention).
 
     Query row ``r`` of sequence ``b`` sits at position
@@ -98,6 +98,9 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         ``"auto"`` runs on CUDA when an input is a device array (C-contiguous there).  With
         ``"cuda"``, NumPy inputs are copied to the GPU and the results back; device arrays
         are used in place and the results stay on the device.
+    _positions : (int, int), optional
+        Internal (:mod:`numattn.dask`): ``(q_offset, k_offset)`` added to the query and key
+        positions the mask sees, when ``k`` and ``v`` are a shard of longer sequences.
 
     Returns
     -------
@@ -134,7 +137,7 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     problem = attention_problem(
         q, k, v, mask, scale, rules=RULES, q_offsets=q_input_row_offsets,
         kv_offsets=kv_input_row_offsets, sink_weights=sink_weights, out=out,
-        return_lse=return_lse, config=config, device=device,
+        return_lse=return_lse, config=config, device=device, positions=_positions,
     )
     if problem.device == "cuda":
         from .kernels.cuda.flash import run_flash_cuda  # kernel modules load at the first call

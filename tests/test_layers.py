@@ -24,7 +24,7 @@ FACADES = {"numattn.masks", "numattn.reference"}
 
 def layer(module):
     """The layer a module of the package belongs to."""
-    if module in ("numattn", "numattn.__main__"):
+    if module in ("numattn", "numattn.__main__", "numattn.dask"):
         return "face"
     if module in OPERATIONS:
         return "operation"

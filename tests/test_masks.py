@@ -120,9 +120,10 @@ def _tile_counts(truth, index):
     return visible, (qb - qa + 1) * (kb - ka + 1)
 
 
-def _check_spans(program_mask, truth):
+def _check_spans(program_mask, truth, positions=None):
     """The compiled run of keys of every grid query and SPAN_WINDOWS window is exactly the
-    visible keys there (``truth``, whose rows must each be one run)."""
+    visible keys there (``truth``, whose rows must each be one run; the program compiled
+    with ``positions``)."""
     k0, kw = np.array(SPAN_WINDOWS).T
     lo = np.zeros((len(GRID_Q), len(SPAN_WINDOWS)), np.int64)  # expected, as positions
     hi = np.zeros_like(lo)
@@ -133,7 +134,8 @@ def _check_spans(program_mask, truth):
         lo[i] = np.maximum(first, k0)
         hi[i] = np.maximum(np.minimum(end, k0 + kw), lo[i])
     spans = np.zeros((len(GRID_Q), len(SPAN_WINDOWS), 3), np.int64)
-    cpu_jit(_spans)(M.compile_mask(program_mask)[0], GRID_Q, np.array(SPAN_WINDOWS), spans)
+    cpu_jit(_spans)(M.compile_mask(program_mask, positions=positions)[0], GRID_Q,
+                    np.array(SPAN_WINDOWS), spans)
     jlo, jhi, is_span = spans[..., 0], spans[..., 1], spans[..., 2]
     assert np.all(is_span == 1), program_mask
     assert np.all((0 <= jlo) & (jlo <= jhi) & (jhi <= kw)), program_mask
@@ -204,6 +206,45 @@ def test_builtin_leaves_mean_what_the_contract_says(cls):
         documented = np.array([[DOCUMENTED[cls](param, int(q), int(k)) for k in GRID_K]
                                for q in GRID_Q])
         assert np.array_equal(_definition_grid(mask, GRID_Q, GRID_K), documented), mask
+
+
+#: Position offsets ``(q_offset, k_offset)`` of the shifted-program checks (a shard of
+#: keys at ``k_offset`` of a longer sequence), up to where INT64_MIN spans would wrap.
+POSITIONS = [(0, 0), (3, 0), (0, 7), (11, 5), (-6, 9), (40, 33), (2**62, 2**62)]
+
+
+@pytest.mark.parametrize("positions", POSITIONS, ids=str)
+@pytest.mark.parametrize("mask", ALL_MASKS, ids=repr)
+def test_program_positions_shift_what_every_leaf_sees(mask, positions):
+    """A program compiled with ``positions`` shows, tiles and spans at local positions
+    exactly what the mask shows at the shifted (global) positions."""
+    q_offset, k_offset = positions
+    program, _ = M.compile_mask(mask, positions=positions)
+    assert program.shape == (M.compile_mask(mask)[0].shape[0], 4)
+    assert np.all(program[:, 2] == q_offset) and np.all(program[:, 3] == k_offset)
+    q_global = [int(q) + q_offset for q in GRID_Q]
+    k_global = [int(k) + k_offset for k in GRID_K]
+    truth = np.array([[bool(mask.visible(q, k)) for k in k_global] for q in q_global])
+    got = np.zeros(truth.shape, np.bool_)
+    cpu_jit(_grid_visible)(program, GRID_Q, GRID_K, got)
+    assert np.array_equal(got, truth), (mask, positions)
+    index, tiles = _all_tiles()
+    status = np.zeros(len(tiles), np.int64)
+    cpu_jit(_tile_statuses)(program, tiles, status)
+    visible, pairs = _tile_counts(truth, index)
+    assert not np.any((visible > 0) & (status == M.TILE_FULL)), (mask, positions)
+    assert not np.any((visible < pairs) & (status == M.TILE_NONE)), (mask, positions)
+    if "OrMask" not in repr(mask):  # a program with '|' gives no span
+        _check_spans(mask, truth, positions)
+
+
+def test_program_positions_are_checked():
+    for bad, exc in [((0, -1), ValueError), ((-2**63, 0), ValueError), ((1.5, 0), ValueError),
+                     ([1, 2], TypeError), ((1, 2, 3), TypeError)]:
+        with pytest.raises(exc, match="positions"):
+            M.compile_mask(M.CausalMask(), positions=bad)
+    # the shared, unshifted program is left as it was
+    assert M.compile_mask(M.CausalMask())[0].shape == (1, 2)
 
 
 def test_built_in_leaves_keep_their_opcodes():

@@ -61,7 +61,9 @@ def _programs():
     masks = [NullMask(), CausalMask(), SlidingWindowCausalMask(5), ChunkedMask(4),
              ChunkedCausalMask(6), CausalMask() & SlidingWindowCausalMask(3),
              ChunkedMask(8) | SlidingWindowCausalMask(2)]
-    return [compile_mask(m)[0] for m in masks]
+    # and with position offsets (the keys of a shard of a longer sequence, numattn.dask)
+    return ([compile_mask(m)[0] for m in masks]
+            + [compile_mask(m, positions=(7, 30))[0] for m in masks[1:]])
 
 
 _LEAVES = [(NullMask.opcode, 0), (CausalMask.opcode, 0), (SlidingWindowCausalMask.opcode, 5),
@@ -138,6 +140,11 @@ def _leaf_tile_samples(rng, f):
 
 def _leaf_span_samples(rng, f):
     return [(op, param, q) for op, param in _LEAVES for q, _ in _positions(rng, 6)]
+
+
+def _leaf_positions_samples(rng, f):
+    return [(p, i, q, k) for p in _programs() for i in range(p.shape[0])
+            for q, k in _positions(rng, 2)]
 
 
 def _visible_samples(rng, f):
@@ -232,6 +239,7 @@ SAMPLES = {
     "masks._leaf_visible": (False, _leaf_visible_samples),
     "masks._leaf_tile": (False, _leaf_tile_samples),
     "masks._leaf_span": (False, _leaf_span_samples),
+    "masks._leaf_positions": (False, _leaf_positions_samples),
     "masks.mask_visible": (False, _visible_samples),
     "masks.mask_tile_status": (False, _tile_status_samples),
     "masks.visible_span": (False, _span_samples),

@@ -614,12 +614,24 @@ def as_mask(mask, name="mask"):
     )
 
 
-def compile_mask(mask, name="mask"):
+def compile_mask(mask, name="mask", *, positions=None):
     """Split a mask into ``(program, additive)`` for the kernels.
+
+    Parameters
+    ----------
+    mask : Mask, ndarray or None
+    name : str
+        The argument's name, for error messages.
+    positions : (int, int), optional
+        Internal: ``(q_offset, k_offset)``, ``k_offset >= 0``, added to the kernels' query and key
+        positions before each leaf reads them (the kernels see the keys of one shard of a
+        sequence from 0, the mask the positions of the whole sequence).  The program then
+        has two more columns: rows ``(opcode, parameter, q_offset, k_offset)``, made
+        afresh at each call.
 
     Returns
     -------
-    program : ndarray of int64, shape [n_ops, 2]
+    program : ndarray of int64, shape [n_ops, 2] (or [n_ops, 4] with ``positions``)
         The postfix mask program evaluated by :func:`mask_visible` and
         :func:`mask_tile_status` (a materialized mask contributes an always-visible leaf).
         Built once per mask object and shared by later calls: read it, do not change it.
@@ -651,7 +663,22 @@ def compile_mask(mask, name="mask"):
             compiled = (_program_array(mask), leaves[0] if leaves else None)
         object.__setattr__(mask, "_compiled", compiled)
     program, leaf = compiled
+    if positions is not None:
+        program = _shifted_program(program, positions)
     return program, (None if leaf is None else leaf.tensor)
+
+
+def _shifted_program(program, positions):
+    """``program`` with the columns ``q_offset, k_offset`` of ``positions`` on every row."""
+    if not (isinstance(positions, tuple) and len(positions) == 2):
+        raise TypeError(f"positions must be a tuple (q_offset, k_offset), got {positions!r}")
+    for what, value, least in zip(("q_offset", "k_offset"), positions, (-INT64_MAX, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise ValueError(f"positions: {what} must be an integer >= {least}, got {value!r}")
+    shifted = np.empty((program.shape[0], 4), dtype=np.int64)
+    shifted[:, :2] = program
+    shifted[:, 2:] = positions
+    return shifted
 
 
 def _program_array(mask):

@@ -185,7 +185,7 @@ class AttentionProblem(NamedTuple):
 # --------------------------------------------------------------------------------------
 def attention_problem(q, k, v, mask, scale, *, rules, q_offsets=None, kv_offsets=None,
                       q_max_seq_len=None, one_row=False, sink_weights=None, out=None,
-                      return_lse=False, config=None, device="cpu"):
+                      return_lse=False, config=None, device="cpu", positions=None):
     """Check an attention call's arguments and normalise them into an :class:`AttentionProblem`.
 
     Parameters
@@ -206,6 +206,8 @@ def attention_problem(q, k, v, mask, scale, *, rules, q_offsets=None, kv_offsets
         default that).
     sink_weights, out, return_lse, config, device
         As the operations take them.
+    positions : (int, int), optional
+        Internal: the mask's ``(q_offset, k_offset)`` (:func:`~numattn.core.masks.compile_mask`).
 
     Returns
     -------
@@ -229,7 +231,7 @@ def attention_problem(q, k, v, mask, scale, *, rules, q_offsets=None, kv_offsets
     if kv_offsets is not None and not ragged:
         raise ValueError("kv_input_row_offsets needs ragged queries: pass "
                          "q_input_row_offsets with q of shape [T, H, D]")
-    program, tensor = compile_mask(mask)
+    program, tensor = compile_mask(mask, positions=positions)
     arrays = (q, k.blocks if isinstance(k, KVCache) else k,
               v.blocks if isinstance(v, KVCache) else v, out, tensor, sink_weights)
     device = "cpu" if device in ("auto", "cpu") and on_host(arrays) else resolve_device(

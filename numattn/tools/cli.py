@@ -27,17 +27,52 @@ def at_least(minimum):
     return parse
 
 
+def _progress(step, total):
+    if sys.stderr.isatty():
+        bar = "#" * (30 * step // total)
+        print(f"\rgenerating [{bar:<30}] {step}/{total}", end="", file=sys.stderr, flush=True)
+        if step == total:
+            print(file=sys.stderr)
+
+
+def _dask_demo(args) -> int:
+    try:
+        from .. import dask  # noqa: F401  (its ImportError says how to install Dask)
+        from .demo import run_dask_demo
+    except ImportError as exc:
+        print(f"numattn demo --dask: {exc}", file=sys.stderr)
+        return 2
+    print(f"decode with the prompts' KV cache sharded over a distributed.LocalCluster of "
+          f"{args.workers} worker processes (1 thread each): {args.batch} prompts of "
+          f"{args.prompt_length} tokens prefilled here, each layer's K/V cut along the keys "
+          f"into {args.workers} chunks, one sent to each worker, where it stays; each step "
+          "sends the queries and the new tokens' K/V rows, and every worker attends its "
+          "chunk (numattn.dask.decode_attention); the partial results are merged with "
+          "merge_states", flush=True)
+    result = run_dask_demo(batch=args.batch, prompt_length=args.prompt_length,
+                           new_tokens=args.new_tokens, seed=args.seed, workers=args.workers,
+                           progress=_progress)
+    steady = slice(1, None) if len(result.step_seconds) > 1 else slice(None)
+    print(f"K/V held by the workers: {result.held_bytes} bytes")
+    print(f"per step: the workers sent each other {max(result.worker_bytes[steady])} bytes at "
+          f"most (a key chunk's partial output and LSE: {result.partial_bytes} bytes per "
+          f"layer); the graph carried {result.sent_bytes[-1]} bytes at the last step "
+          "(queries and the new tokens' K/V)")
+    print(f"decode: {result.generated.shape[1]} tokens per sequence, "
+          f"{result.tokens_per_second:.1f} tokens/s (steps after the first)")
+    ok = result.max_difference <= 1e-5
+    print(f"largest difference from single-process decode_attention over "
+          f"{result.attention_calls} calls: {result.max_difference:.2e} "
+          f"({'PASS' if ok else 'FAIL'}, tolerance 1e-05)")
+    return 0 if ok else 1
+
+
 def _demo(args) -> int:
+    if args.dask:
+        return _dask_demo(args)
     from .demo import run_demo
 
-    def progress(step, total):
-        if sys.stderr.isatty():
-            bar = "#" * (30 * step // total)
-            print(f"\rgenerating [{bar:<30}] {step}/{total}", end="", file=sys.stderr,
-                  flush=True)
-            if step == total:
-                print(file=sys.stderr)
-
+    progress = _progress
     result = run_demo(batch=args.batch, new_tokens=args.new_tokens, seed=args.seed,
                       check=not args.no_check, progress=progress, dtype=args.dtype)
     print(f"prompts: {len(result.prompt_lengths)} sequences of {result.prompt_lengths} tokens, "
@@ -114,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the KV cache's dtype (bfloat16 and float16 also for the "
                            "activations; int8 and float8 caches are quantized by store_kv)")
     demo.add_argument("--no-check", action="store_true", help="skip the reference comparison")
+    demo.add_argument("--dask", action="store_true",
+                      help="decode with the KV cache sharded over Dask worker processes "
+                           "(needs numattn[dask])")
+    demo.add_argument("--workers", type=at_least(1), default=2,
+                      help="worker processes with --dask")
+    demo.add_argument("--prompt-length", type=at_least(1), default=2048,
+                      help="tokens per prompt with --dask")
     demo.set_defaults(func=_demo)
 
     warmup = sub.add_parser("warmup", help="compile every CPU kernel into the disk cache "

@@ -5,6 +5,10 @@ is prefilled into a paged KV cache with :func:`numattn.store_kv` and
 :func:`numattn.flash_attention_kv_cache`, then tokens are generated one step at a time with
 :func:`numattn.decode_attention`.  Every attention call is checked against
 :mod:`numattn.reference`; the run reports tokens per second and the largest error.
+
+:func:`run_dask_demo` (``python -m numattn demo --dask``) runs the decode with the prompts'
+KV cache sharded over Dask worker processes (:mod:`numattn.dask`), checked against the
+single-process result, and reports the bytes that moved.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from ..core.dtypes import ml_dtype
 from ..kv_cache import PagedKVCache, store_kv
 from ..masks import CausalMask
 
-__all__ = ["DemoModel", "DemoResult", "run_demo"]
+__all__ = ["DaskDemoResult", "DemoModel", "DemoResult", "run_dask_demo", "run_demo"]
 
 
 @dataclass(frozen=True)
@@ -246,4 +250,153 @@ def run_demo(*, batch=4, new_tokens=32, seed=0, model=None, check=True, progress
         attention_calls=m.num_layers * (1 + new_tokens),
         errors=errors,
         tolerance=TOLERANCE.get(dtype, 2e-4),
+    )
+
+
+@dataclass
+class DaskDemoResult:
+    """What :func:`run_dask_demo` measured."""
+
+    workers: int
+    prompt_length: int
+    generated: np.ndarray  # [B, new_tokens] token ids
+    step_seconds: list  # wall time of each decode step (the first one loads the kernels)
+    max_difference: float  # largest |sharded - single-process| over the attention calls
+    attention_calls: int
+    held_bytes: int  # K/V of the prompts, held by the workers (all layers)
+    worker_bytes: list  # bytes the workers received from each other, per step
+    sent_bytes: list  # bytes sent with each step's graph: queries and the new tokens' K/V
+    partial_bytes: int  # one key chunk's partial output and LSE, per layer
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second over the decode steps after the first one."""
+        steady = self.step_seconds[1:] or self.step_seconds
+        total = self.generated.shape[0] * len(steady)
+        return total / sum(steady) if sum(steady) > 0 else float("nan")
+
+
+def run_dask_demo(*, batch=2, prompt_length=2048, new_tokens=8, seed=0, workers=2,
+                  model=None, progress=None):
+    """The demo's decode with the prompts' KV cache sharded over Dask worker processes.
+
+    Equal-length prompts are prefilled in this process (:func:`numattn.flash_attention_kv_cache`
+    on dense ``[B, N, Hkv, D]`` K/V), and each layer's K/V are cut along the keys into
+    ``workers`` chunks, one sent to each worker of a ``distributed.LocalCluster`` (worker
+    processes of one thread), where they stay.  Each generated token's K/V row is kept here
+    and sent with the step's graph (a last, short key chunk).  Every decode call runs
+    through :func:`numattn.dask.decode_attention` and is compared with the single-process
+    :func:`numattn.decode_attention` on the same data; the bytes the workers send each other
+    are read from their transfer logs.
+
+    Parameters
+    ----------
+    batch, prompt_length, new_tokens, seed : int
+        Sequences, tokens per prompt, tokens generated per sequence, seed.
+    workers : int
+        Worker processes (and key chunks of the prompts' cache).
+    model : DemoModel, optional
+        Shapes of the toy decoder.
+    progress : callable, optional
+        Called as ``progress(step, total)`` after each generated token.
+
+    Returns
+    -------
+    DaskDemoResult
+
+    Raises
+    ------
+    ImportError
+        Without Dask (``pip install numattn[dask]``).
+    """
+    import distributed
+
+    from .. import dask as sharded
+    from .. import decode_attention, flash_attention_kv_cache
+
+    if min(batch, prompt_length, workers) < 1 or new_tokens < 0:
+        raise ValueError(f"run_dask_demo needs batch, prompt_length and workers >= 1 and "
+                         f"new_tokens >= 0, got {batch}, {prompt_length}, {workers} and "
+                         f"{new_tokens}")
+    import dask.array as da
+
+    m = model or DemoModel()
+    rng = np.random.default_rng(seed)
+    net = _Decoder(m, rng)
+    tokens = rng.integers(0, m.vocab, size=(batch, prompt_length))
+    mask = CausalMask()
+
+    # Prefill here, dense: K/V [B, N, Hkv, D] per layer.
+    positions = np.tile(np.arange(prompt_length), batch)
+    x = net.embed[tokens.reshape(-1)]
+    prompt_kv = []
+    for layer in net.layers:
+        q, k, v = net.qkv(layer, x, positions)
+        shape = (batch, prompt_length, m.num_kv_heads, m.head_dim)
+        k, v = k.reshape(shape), v.reshape(shape)
+        attn = flash_attention_kv_cache(q.reshape(batch, prompt_length, m.num_heads, -1),
+                                        k, v, mask)
+        prompt_kv.append((k, v))
+        x = net.finish(layer, x, attn.reshape(batch * prompt_length, m.num_heads, -1))
+    next_token = np.argmax(net.logits(x.reshape(batch, prompt_length, -1)[:, -1]), axis=-1)
+
+    def received(dask_worker):
+        return sum(entry["total"] for entry in dask_worker.transfer_incoming_log)
+
+    with distributed.LocalCluster(processes=True, n_workers=workers, threads_per_worker=1,
+                                  dashboard_address=":0") as cluster, \
+            distributed.Client(cluster) as client:
+        addresses = sorted(client.scheduler_info()["workers"])
+        bounds = np.linspace(0, prompt_length, workers + 1).astype(int)
+
+        def shard(x):
+            """``x`` cut along the keys, one chunk held by each worker."""
+            parts = []
+            for address, n0, n1 in zip(addresses, bounds[:-1], bounds[1:]):
+                part = np.ascontiguousarray(x[:, n0:n1])
+                future = client.scatter(part, workers=[address], direct=True)
+                parts.append(da.from_delayed(future, part.shape, dtype=part.dtype))
+            return parts
+
+        held = [(shard(k), shard(v)) for k, v in prompt_kv]
+        held_bytes = sum(k.nbytes + v.nbytes for k, v in prompt_kv)
+        tails = [([], []) for _ in net.layers]  # the generated tokens' K/V rows, here
+        generated = np.zeros((batch, new_tokens), dtype=np.int64)
+        step_seconds, worker_bytes, sent_bytes, differences = [], [], [], []
+        for step in range(new_tokens):
+            generated[:, step] = next_token
+            before = sum(client.run(received).values())
+            sent = 0
+            start = time.perf_counter()
+            x = net.embed[next_token]
+            position = np.full(batch, prompt_length + step)
+            for layer, (k_parts, v_parts), (k_tail, v_tail), (k_prompt, v_prompt) in zip(
+                    net.layers, held, tails, prompt_kv):
+                q, k_new, v_new = net.qkv(layer, x, position)
+                k_tail.append(k_new[:, None])
+                v_tail.append(v_new[:, None])
+                k_rows, v_rows = np.concatenate(k_tail, axis=1), np.concatenate(v_tail, axis=1)
+                k = da.concatenate([*k_parts, da.from_array(k_rows)], axis=1)
+                v = da.concatenate([*v_parts, da.from_array(v_rows)], axis=1)
+                attn = sharded.decode_attention(q, k, v, mask).compute()
+                sent += q.nbytes + k_rows.nbytes + v_rows.nbytes
+                check_start = time.perf_counter()  # the check is not timed
+                single = decode_attention(q, np.concatenate([k_prompt, k_rows], axis=1),
+                                          np.concatenate([v_prompt, v_rows], axis=1), mask)
+                differences.append(float(np.max(np.abs(attn - single), initial=0.0)))
+                start += time.perf_counter() - check_start
+                x = net.finish(layer, x, attn)
+            next_token = np.argmax(net.logits(x), axis=-1)
+            step_seconds.append(time.perf_counter() - start)
+            worker_bytes.append(sum(client.run(received).values()) - before)
+            sent_bytes.append(sent)
+            if progress is not None:
+                progress(step + 1, new_tokens)
+
+    return DaskDemoResult(
+        workers=workers, prompt_length=prompt_length, generated=generated,
+        step_seconds=step_seconds, max_difference=max(differences, default=0.0),
+        attention_calls=m.num_layers * new_tokens, held_bytes=held_bytes,
+        worker_bytes=worker_bytes, sent_bytes=sent_bytes,
+        partial_bytes=batch * m.num_heads * (m.head_dim + 1) * 4,
     )

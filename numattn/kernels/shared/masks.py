@@ -1,7 +1,9 @@
 """Mask evaluation in the kernels: the bodies that read a mask program (CPU and CUDA).
 
 A mask program (:func:`numattn.core.masks.compile_mask`) is an ``int64`` array ``[n_ops, 2]``
-of ``(opcode, parameter)`` rows in postfix order.  :func:`mask_visible` evaluates it for one
+of ``(opcode, parameter)`` rows in postfix order, or ``[n_ops, 4]`` rows ``(opcode, parameter,
+q_offset, k_offset)`` whose offsets are added to the positions each leaf reads (a shard of a
+sequence's keys attended apart: :func:`_leaf_positions`).  :func:`mask_visible` evaluates it for one
 pair, :func:`mask_tile_status` for a query range x key range, :func:`visible_span` as one
 run of keys per query; :func:`key_bias` and :func:`add_bias` read an additive tensor.
 
@@ -15,7 +17,15 @@ from __future__ import annotations
 import math
 
 from ...core.jit import body
-from ...core.masks import OP_AND, OP_OR, TILE_FULL, TILE_NONE, TILE_PARTIAL, fixed_leaf_types
+from ...core.masks import (
+    INT64_MIN,
+    OP_AND,
+    OP_OR,
+    TILE_FULL,
+    TILE_NONE,
+    TILE_PARTIAL,
+    fixed_leaf_types,
+)
 
 
 def _dispatcher_source(count):
@@ -59,6 +69,14 @@ _leaf_visible, _leaf_tile, _leaf_span = _build_dispatchers()
 
 
 @body
+def _leaf_positions(program, i, q_idx, k_idx):
+    """The positions row ``i`` of ``program`` reads: shifted by its offsets, if it has them."""
+    if program.shape[1] < 4:
+        return q_idx, k_idx
+    return q_idx + program[i, 2], k_idx + program[i, 3]
+
+
+@body
 def mask_visible(program, q_idx, k_idx):
     """True when key ``k_idx`` is visible from query ``q_idx`` under ``program``."""
     stack = 0
@@ -71,7 +89,8 @@ def mask_visible(program, q_idx, k_idx):
             c = (a & b) if op == OP_AND else (a | b)
             stack = (stack << 1) | c
         else:
-            stack = (stack << 1) | _leaf_visible(op, program[i, 1], q_idx, k_idx)
+            qi, ki = _leaf_positions(program, i, q_idx, k_idx)
+            stack = (stack << 1) | _leaf_visible(op, program[i, 1], qi, ki)
     return (stack & 1) == 1
 
 
@@ -112,7 +131,9 @@ def mask_tile_status(program, q0, q1, k0, k1):
                 vis = (vis << 1) | (va | vb)
                 hid = (hid << 1) | (ha & hb)
         else:
-            v, h = _leaf_tile(op, program[i, 1], q0, q1, k0, k1)
+            qa, ka = _leaf_positions(program, i, q0, k0)
+            qb, kb = _leaf_positions(program, i, q1, k1)
+            v, h = _leaf_tile(op, program[i, 1], qa, qb, ka, kb)
             vis = (vis << 1) | v
             hid = (hid << 1) | h
     if (vis & 1) == 0:
@@ -158,9 +179,11 @@ def visible_span(program, q_idx, k0, kw):
         if op == OP_OR:
             return 0, 0, False
         if op >= 0:  # a leaf (OP_AND only pairs runs already intersected)
-            leaf_lo, leaf_hi = _leaf_span(op, program[i, 1], q_idx)
-            lo = max(lo, leaf_lo)
-            hi = min(hi, leaf_hi)
+            qi, shift = _leaf_positions(program, i, q_idx, 0)
+            leaf_lo, leaf_hi = _leaf_span(op, program[i, 1], qi)
+            # back to unshifted keys (shift >= 0), held at INT64_MIN where it would wrap
+            lo = max(lo, max(leaf_lo, INT64_MIN + shift) - shift)
+            hi = min(hi, max(leaf_hi, INT64_MIN + shift) - shift)
     lo = min(max(lo - k0, 0), kw)
     hi = max(min(hi - k0, kw), lo)
     return lo, hi, True

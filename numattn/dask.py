@@ -1,0 +1,405 @@
+"""Attention over KV caches sharded across Dask workers.
+
+``numattn.dask`` runs :func:`numattn.flash_attention_kv_cache` and
+:func:`numattn.decode_attention` on padded dense inputs held as :mod:`dask.array` arrays,
+chunked along the batch ``B`` and the keys ``N``: every chunk of keys is attended where it
+lives (one task per (batch chunk, key chunk), and per piece of the queries for flash, that
+calls the single-process CPU operation on its blocks, with ``return_lse=True``), and the
+partial results are combined with
+:func:`numattn.merge_states` in a tree of pairs (``ceil(log2(key chunks))`` levels deep).
+K and V never move: what travels is each task's partial output and log-sum-exp,
+``B S H (D + 1)`` numbers per key chunk, and the queries.
+
+The masks see the global positions: the task over keys ``[n0, n1)`` of ``N`` shifts its
+keys by ``n0`` and its queries to ``N - S + r`` (decode: ``N - 1``), so a mask whose
+windows or chunks cross a chunk boundary gives what it gives on one machine.
+
+Dask is an optional dependency (``pip install numattn[dask]``); ``import numattn`` does not
+import this module.  See the documentation page "Beyond one machine".
+"""
+
+from __future__ import annotations
+
+try:
+    import dask.array as da
+except ImportError as exc:  # pragma: no cover - exercised without dask
+    raise ImportError(
+        "numattn.dask needs Dask's arrays and distributed scheduler: "
+        "pip install numattn[dask]"
+    ) from exc
+
+import inspect
+
+import numpy as np
+
+from .core.masks import (
+    AndMask,
+    MaterializedMask,
+    NullMask,
+    OrMask,
+    additive_4d,
+    as_mask,
+    compile_mask,
+)
+from .core.validate import check_float_dtype, check_heads, check_scale, check_sink_weights
+from .decode import decode_attention as _decode_attention
+from .flash import flash_attention_kv_cache as _flash_attention_kv_cache
+from .merge import merge_states
+
+__all__ = ["decode_attention", "flash_attention_kv_cache"]
+
+#: The default mask of decode (a frozen dataclass, safe to share).
+NO_MASK = NullMask()
+
+
+def flash_attention_kv_cache(q, k, v, mask, scale=None, *, sink_weights=None, score_mod=None,
+                             return_lse=False):
+    """Flash attention of padded queries over keys and values sharded as Dask arrays.
+
+    Computes what :func:`numattn.flash_attention_kv_cache` computes on the same data: query
+    row ``r`` sits at position ``N - S + r`` and attends over keys ``0 .. N - 1`` that
+    ``mask`` leaves visible.  Each chunk of keys is attended by a task on the worker that
+    holds it, and the parts are merged with :func:`numattn.merge_states`.
+
+    Parameters
+    ----------
+    q : dask.array.Array or ndarray, shape [B, S, H, D], float32 or float64
+        The queries.  Rechunked to K/V's chunks along ``B`` and whole along ``H`` and
+        ``D``; along ``S`` chunked as given or, given whole, cut into pieces of at most
+        half a key chunk's K and V bytes (so that each task runs where its K/V chunk is,
+        and the queries travel to it).
+    k, v : dask.array.Array, shape [B, N, Hkv, D]
+        Keys and values of ``q``'s dtype with the same chunks, chunked along ``B`` and/or
+        ``N`` only (one chunk along ``Hkv`` and ``D``).  NumPy arrays are taken as one chunk.
+    mask : Mask, ndarray, dask.array.Array or None
+        As :func:`numattn.flash_attention_kv_cache` takes it, evaluated at global
+        positions.  An additive tensor (``[S, N]``, ``[B, S, N]`` or ``[B, H, S, N]``; plain,
+        Dask or in a :class:`~numattn.MaterializedMask`) is cut along ``B`` and ``N`` like
+        K/V, each task reading its own block.
+    scale : float, optional
+        Score scale; ``None`` means ``1 / sqrt(D)``.
+    sink_weights : array [H], optional
+        One sink logit per query head, counted once (given to the task of the first key
+        chunk of each batch chunk).
+    score_mod : ScoreMod, optional
+        Passed to each chunk's operation, when given.
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row, ``[B, S, H]``.
+
+    Returns
+    -------
+    out : dask.array.Array, shape [B, S, H, D]
+        Lazy; chunked along ``B`` like K/V.
+    lse : dask.array.Array, shape [B, S, H]
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError
+        If an argument has the wrong type or dtype.
+    ValueError
+        If shapes disagree, K/V are chunked along ``Hkv`` or ``D``, or ``k`` and ``v`` have
+        different chunks; before any task runs.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> import numpy as np
+    >>> import numattn
+    >>> import numattn.dask
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 3, 4, 8), dtype=np.float32)
+    >>> k, v = rng.standard_normal((2, 2, 10, 2, 8), dtype=np.float32)
+    >>> kd, vd = (da.from_array(x, chunks=(1, 4, 2, 8)) for x in (k, v))
+    >>> mask = numattn.SlidingWindowCausalMask(5)
+    >>> out = numattn.dask.flash_attention_kv_cache(q, kd, vd, mask)
+    >>> out
+    dask.array<getitem, shape=(2, 3, 4, 8), dtype=float32, chunksize=(1, 2, 4, 8), ...>
+    >>> expected = numattn.flash_attention_kv_cache(q, k, v, mask)
+    >>> bool(np.allclose(out.compute(scheduler="threads"), expected, atol=1e-6))
+    True
+    """
+    return _sharded("flash", q, k, v, mask, scale, sink_weights, score_mod, return_lse)
+
+
+def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
+                     score_mod=None, return_lse=False):
+    """Decode attention of one query per sequence over keys and values sharded as Dask
+    arrays.
+
+    Computes what :func:`numattn.decode_attention` computes on the same data: sequence
+    ``b``'s query sits at position ``N - 1`` and attends over keys ``0 .. N - 1`` that
+    ``mask`` leaves visible.  Each chunk of keys is attended by a task on the worker that
+    holds it (the single-process operation, with its split-K inside the chunk), and the
+    parts are merged with :func:`numattn.merge_states`; only ``B H (D + 1)`` numbers per key
+    chunk travel.
+
+    Parameters
+    ----------
+    q : dask.array.Array or ndarray, shape [B, H, D], float32 or float64
+        The queries, rechunked to K/V's chunks along ``B`` (whole along ``H`` and ``D``).
+    k, v : dask.array.Array, shape [B, N, Hkv, D]
+        Keys and values of ``q``'s dtype with the same chunks, chunked along ``B`` and/or
+        ``N`` only.  NumPy arrays are taken as one chunk.
+    mask : Mask, ndarray, dask.array.Array, default NullMask()
+        As :func:`numattn.decode_attention` takes it, evaluated at global positions; an
+        additive tensor is ``[1, N]``, ``[B, 1, N]`` or ``[B, H, 1, N]``.
+    scale : float, optional
+        Score scale; ``None`` means ``1 / sqrt(D)``.
+    sink_weights : array [H], optional
+        One sink logit per query head, counted once.
+    score_mod : ScoreMod, optional
+        Passed to each chunk's operation, when given.
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row, ``[B, H]``.
+
+    Returns
+    -------
+    out : dask.array.Array, shape [B, H, D]
+    lse : dask.array.Array, shape [B, H]
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError
+        If an argument has the wrong type or dtype.
+    ValueError
+        If shapes disagree, K/V are chunked along ``Hkv`` or ``D``, or ``k`` and ``v`` have
+        different chunks; before any task runs.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> import numpy as np
+    >>> import numattn
+    >>> import numattn.dask
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((1, 4, 8), dtype=np.float32)
+    >>> k, v = rng.standard_normal((2, 1, 1000, 2, 8), dtype=np.float32)
+    >>> kd, vd = (da.from_array(x, chunks=(1, 250, 2, 8)) for x in (k, v))
+    >>> out, lse = numattn.dask.decode_attention(q, kd, vd, return_lse=True)
+    >>> out.shape, lse.shape
+    ((1, 4, 8), (1, 4))
+    >>> expected = numattn.decode_attention(q, k, v)
+    >>> bool(np.allclose(out.compute(scheduler="threads"), expected, atol=1e-6))
+    True
+    """
+    return _sharded("decode", q, k, v, mask, scale, sink_weights, score_mod, return_lse)
+
+
+# --------------------------------------------------------------------------------------
+# Checks and the graph.
+# --------------------------------------------------------------------------------------
+def _as_dask(name, x):
+    """A Dask array, NumPy arrays as one chunk; anything else is refused."""
+    if isinstance(x, da.Array):
+        return x
+    if isinstance(x, np.ndarray):
+        return da.from_array(x, chunks=x.shape or ())
+    raise TypeError(f"{name} must be a dask.array.Array (or a NumPy array), got "
+                    f"{type(x).__module__}.{type(x).__name__}")
+
+
+def _check_kv_chunks(k, v):
+    """K/V chunked along B and N only, both alike."""
+    if k.chunks != v.chunks:
+        raise ValueError(f"k and v must have the same chunks, got {k.chunks} and {v.chunks}")
+    for axis, what in ((2, "Hkv"), (3, "D")):
+        if len(k.chunks[axis]) != 1:
+            raise ValueError(
+                f"k and v may be chunked along B and N only, not along {what} (axis {axis}): "
+                f"got chunks {k.chunks[axis]}; rechunk with "
+                f"k.rechunk({{{axis}: -1}})"
+            )
+
+
+def _split_tensor(mask):
+    """``mask`` with its :class:`MaterializedMask` (if any) replaced by :class:`NullMask`
+    (what it is in the program), and that leaf's tensor."""
+    if isinstance(mask, MaterializedMask):
+        return NullMask(), mask.tensor
+    if isinstance(mask, (AndMask, OrMask)):
+        left, left_tensor = _split_tensor(mask.left)
+        right, right_tensor = _split_tensor(mask.right)
+        return type(mask)(left, right), (right_tensor if left_tensor is None else left_tensor)
+    return mask, None
+
+
+def _accepts(function, keyword):
+    return keyword in inspect.signature(function).parameters
+
+
+def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
+    """Check everything, then build the graph: partial states per (batch chunk, key chunk)
+    and their tree of merges."""
+    decode = kind == "decode"
+    operation = _decode_attention if decode else _flash_attention_kv_cache
+    q, k, v = _as_dask("q", q), _as_dask("k", k), _as_dask("v", v)
+    if q.ndim != (3 if decode else 4):
+        want = "[B, H, D]" if decode else "[B, S, H, D]"
+        raise ValueError(f"q must be {want} ({3 if decode else 4}-d), got shape "
+                         f"{list(q.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be 4-d [B, N, Hkv, D], got shape {list(x.shape)}")
+    dtype = check_float_dtype("q", q)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must have q's dtype {dtype}, got {x.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and "
+                         f"{list(v.shape)}")
+    batch, num_keys, num_kv_heads, head_dim = k.shape
+    q_rows = 1 if decode else q.shape[1]
+    num_heads = q.shape[-2]
+    if q.shape[0] != batch:
+        raise ValueError(f"q must have B = {batch} sequences (k's), got shape {list(q.shape)}")
+    if q.shape[-1] != head_dim or head_dim < 1:
+        raise ValueError(f"q, k and v must have one head dimension D >= 1, got q "
+                         f"{list(q.shape)} and k {list(k.shape)}")
+    check_heads(num_heads, num_kv_heads)
+    _check_kv_chunks(k, v)
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    scale = check_scale(scale, head_dim, dtype)
+    if sink_weights is not None:
+        sink_weights = check_sink_weights(np.asarray(sink_weights), num_heads, dtype)
+    if score_mod is not None and not _accepts(operation, "score_mod"):
+        raise TypeError(f"score_mod: numattn.{operation.__name__} takes no score_mod in this "
+                        "version")
+    if isinstance(mask, da.Array):
+        mask = MaterializedMask(mask)
+    mask = as_mask(mask)
+    compile_mask(mask)  # the mask's own checks: one MaterializedMask, none under '|'
+    mask, tensor = _split_tensor(mask)
+
+    # The blocks each task reads: q cut like K/V along B and whole along H and D; along S,
+    # as given, or (given whole) in pieces smaller than a key chunk's K and V, so that the
+    # scheduler, which runs a task where most of its input bytes are, runs each where its
+    # K/V chunk is and sends it the queries.  An additive tensor is cut like q and K/V.
+    b_chunks, n_chunks = k.chunks[0], k.chunks[1]
+    if decode:
+        q = q.rechunk((b_chunks, num_heads, head_dim))
+    else:
+        s_chunks = q.chunks[1] if len(q.chunks[1]) > 1 else _query_pieces(
+            q_rows, max(n_chunks, default=0), num_heads, num_kv_heads)
+        q = q.rechunk((b_chunks, s_chunks, num_heads, head_dim))
+    starts = np.cumsum((0, *n_chunks[:-1]), dtype=np.int64)
+    chunk_ids = da.from_array(np.stack([np.arange(len(n_chunks)), starts], axis=1),
+                              chunks=(1, 2))
+    if decode:
+        args = [q, "bhd", k, "bnkd", v, "bnkd", chunk_ids, "nz", None, None]
+    else:
+        row_starts = np.cumsum((0, *q.chunks[1][:-1]), dtype=np.int64)
+        args = [q, "bshd", k, "bnkd", v, "bnkd", chunk_ids, "nz",
+                da.from_array(row_starts, chunks=1), "s"]
+    if tensor is not None:
+        args += _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks,
+                               n_chunks, None if decode else q.chunks[1])
+    out_ind = "bnhd" if decode else "bnshd"
+    parts = _partial_states(args, out_ind, head_dim, dtype, operation=operation, mask=mask,
+                            num_keys=num_keys, num_rows=q_rows, scale=scale,
+                            sink_weights=sink_weights, score_mod=score_mod, decode=decode)
+    merged = da.reduction(parts, _keep_part, _merge_parts, combine=_merge_parts, axis=1,
+                          split_every=2, dtype=dtype, concatenate=True,
+                          meta=np.empty((0,) * (len(out_ind) - 1), dtype=dtype))
+    out = merged[..., :head_dim]
+    return (out, merged[..., head_dim]) if return_lse else out
+
+
+def _partial_states(args, out_ind, head_dim, dtype, **kwargs):
+    """The blockwise layer of partial states, ``[B, key chunks, (S,) H, D + 1]``."""
+    return da.blockwise(
+        _partial_state, out_ind, *args, adjust_chunks={"n": 1, "d": head_dim + 1},
+        align_arrays=False, concatenate=False, dtype=dtype,
+        meta=np.empty((0,) * len(out_ind), dtype=dtype), **kwargs)
+
+
+def _query_pieces(rows, kv_chunk_keys, num_heads, num_kv_heads):
+    """Chunks along S of q pieces of at most half a key chunk's K and V bytes:
+    ``kv_chunk_keys * Hkv / H`` rows (at least one)."""
+    piece = max(1, kv_chunk_keys * num_kv_heads // num_heads)
+    return (piece,) * (rows // piece) + ((rows % piece,) if rows % piece or not rows else ())
+
+
+def _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks, n_chunks,
+                   s_chunks):
+    """The additive tensor as blockwise arguments: checked as the operation checks it, its
+    first ``N`` columns cut like K/V along ``B`` and ``N``, its rows like q's (``s_chunks``;
+    ``None``: decode's one row)."""
+    additive_4d(tensor, batch=batch, num_heads=num_heads, max_q_len=q_rows, max_keys=num_keys,
+                dtype=dtype, exact_rows=True)
+    tensor = _as_dask("mask", tensor)[..., :num_keys]
+    rows, s = ((q_rows,), "z") if s_chunks is None else (s_chunks, "s")
+    if tensor.ndim == 2:
+        return [tensor.rechunk((rows, n_chunks)), f"{s}n"]
+    if tensor.ndim == 3:
+        return [tensor.rechunk((b_chunks, rows, n_chunks)), f"b{s}n"]
+    return [tensor.rechunk((b_chunks, num_heads, rows, n_chunks)), f"bh{s}n"]
+
+
+# --------------------------------------------------------------------------------------
+# The tasks.  A partial state is out and lse side by side: [..., D + 1], lse last.
+# --------------------------------------------------------------------------------------
+def _partial_state(q, k, v, chunk_id, row_start, tensor=None, *, operation, mask, num_keys,
+                   num_rows, scale, sink_weights, score_mod, decode):
+    """One (batch chunk, key chunk(, query piece)) task: the single-process operation over
+    the chunk's keys and the piece's queries at their global positions; returns
+    ``[b, 1, (s,) H, D + 1]``.
+
+    The arrays come as blocks, each in one list per axis it has but the result has not
+    (Hkv of K/V, the additive tensor's rows): those axes are one chunk, so the block is
+    the only element, taken as it is (concatenating would copy the K/V chunk).
+    """
+    q, k, v, chunk_id, row_start, tensor = (
+        _only_block(x) for x in (q, k, v, chunk_id, row_start, tensor))
+    index, n0 = int(chunk_id[0, 0]), int(chunk_id[0, 1])
+    s0, rows = (0, 1) if decode else (int(row_start[0]), q.shape[1])
+    n = k.shape[1]
+    sinks = sink_weights if index == 0 else None  # counted once: in the first key chunk
+    if n == 0 or q.shape[0] == 0:
+        out = np.zeros(q.shape, dtype=q.dtype)
+        lse = np.full(q.shape[:-1], -np.inf, dtype=q.dtype)
+        if sinks is not None:
+            lse[...] = sinks
+    else:
+        if tensor is not None:
+            mask = mask & MaterializedMask(np.ascontiguousarray(tensor))
+        extra = {} if score_mod is None else {"score_mod": score_mod}
+        # the kernels' query position n - rows + r, made global: N - S + s0 + r
+        q_offset = (num_keys - num_rows + s0) - (n - rows)
+        out, lse = operation(np.ascontiguousarray(q), np.ascontiguousarray(k),
+                             np.ascontiguousarray(v), mask, scale, sink_weights=sinks,
+                             return_lse=True, _positions=(q_offset, n0), **extra)
+    return _pack(out, lse)[:, None]
+
+
+def _only_block(x):
+    while isinstance(x, (list, tuple)):
+        (x,) = x
+    return x
+
+
+def _pack(out, lse):
+    packed = np.empty((*out.shape[:-1], out.shape[-1] + 1), dtype=out.dtype)
+    packed[..., :-1] = out
+    packed[..., -1] = lse
+    return packed
+
+
+def _keep_part(x, axis=None, keepdims=True, **kwargs):
+    """The reduction's first step: a task's partial state as it is."""
+    return x
+
+
+def _merge_parts(x, axis=None, keepdims=True, **kwargs):
+    """Merge the partial states stacked along axis 1 of ``x`` (two, in the tree) with
+    :func:`numattn.merge_states`."""
+    if x.shape[1] == 1 or x.size == 0:
+        merged = x[:, :1]
+    else:
+        parts = range(x.shape[1])
+        out, lse = merge_states([x[:, i, ..., :-1] for i in parts],
+                                [x[:, i, ..., -1] for i in parts])
+        merged = _pack(out, lse)[:, None]
+    return merged if keepdims else merged[:, 0]

@@ -1,0 +1,321 @@
+"""numattn.dask: attention over K/V sharded across Dask workers, against the single-process
+operations and the float64 reference, on a cluster of worker processes and on Dask's
+threaded scheduler."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array", reason="numattn.dask needs dask: pip install numattn[dask]")
+distributed = pytest.importorskip("distributed",
+                                  reason="numattn.dask's tests need distributed")
+
+import numattn  # noqa: E402
+import numattn.dask as nd  # noqa: E402
+from numattn import (  # noqa: E402
+    CausalMask,
+    ChunkedCausalMask,
+    ChunkedMask,
+    MaterializedMask,
+    NullMask,
+    SlidingWindowCausalMask,
+    reference,
+)
+
+from .utils import assert_close, randn  # noqa: E402
+
+B, S, H, HKV, D, N = 3, 5, 4, 2, 8, 23
+#: Uneven chunks: a batch chunk of 2 and of 1; a key chunk of 1 key, boundaries at 1, 8 and
+#: 17 (inside the sliding windows and the chunks of the chunked masks below).
+CHUNKS = ((2, 1), (1, 7, 9, 6), (HKV,), (D,))
+
+MASKS = {
+    "null": NullMask(),
+    "causal": CausalMask(),
+    "window": SlidingWindowCausalMask(4),
+    "chunked": ChunkedMask(6),
+    "chunked causal": ChunkedCausalMask(5),
+    "and": CausalMask() & ChunkedMask(7),
+    "or": SlidingWindowCausalMask(3) | ChunkedCausalMask(4),
+}
+
+
+@pytest.fixture(scope="module")
+def client():
+    """Two worker processes of one thread each (the kernels load from the on-disk cache
+    that the single-process calls of each test fill first), without work stealing (which
+    moves a task, and its K/V chunk, to an idle worker)."""
+    import dask
+
+    with dask.config.set({"distributed.scheduler.work-stealing": False}), \
+            distributed.LocalCluster(processes=True, n_workers=2, threads_per_worker=1,
+                                  dashboard_address=":0") as cluster, \
+            distributed.Client(cluster) as c:
+        yield c
+
+
+def _sharded(rng, dtype, *, decode=False):
+    q = randn(rng, (B, H, D) if decode else (B, S, H, D), dtype)
+    k, v = randn(rng, (B, N, HKV, D), dtype), randn(rng, (B, N, HKV, D), dtype)
+    return q, k, v, da.from_array(k, chunks=CHUNKS), da.from_array(v, chunks=CHUNKS)
+
+
+def _compute(result, client):
+    if client is None:
+        return da.compute(*result, scheduler="threads")
+    return client.compute(list(result), sync=True)
+
+
+def _check(got, single, expected, dtype):
+    """Equal to the single-process operation up to rounding, and to the reference."""
+    for g, s, e, what in zip(got, single, expected, ("out", "lse")):
+        assert_close(g, s.astype(np.float64), dtype, tol=1e-5 if dtype == np.float32 else 1e-12,
+                     what=f"{what} vs one process")
+        assert_close(g, e, dtype, what=f"{what} vs reference")
+
+
+def _flash_case(rng, mask_name, sinks, dtype=np.float32):
+    q, k, v, kd, vd = _sharded(rng, dtype)
+    sink_weights = randn(rng, H, dtype) if sinks else None
+    mask = MASKS[mask_name]
+    single = numattn.flash_attention_kv_cache(q, k, v, mask, sink_weights=sink_weights,
+                                              return_lse=True)
+    expected = reference.flash_attention_kv_cache(q.astype(np.float64), k.astype(np.float64),
+                                                  v.astype(np.float64), mask,
+                                                  sink_weights=sink_weights, return_lse=True)
+    result = nd.flash_attention_kv_cache(q, kd, vd, mask, sink_weights=sink_weights,
+                                         return_lse=True)
+    assert all(isinstance(x, da.Array) for x in result)
+    return result, single, expected
+
+
+def _decode_case(rng, mask_name, sinks, dtype=np.float32):
+    q, k, v, kd, vd = _sharded(rng, dtype, decode=True)
+    sink_weights = randn(rng, H, dtype) if sinks else None
+    mask = MASKS[mask_name]
+    single = numattn.decode_attention(q, k, v, mask, sink_weights=sink_weights,
+                                      return_lse=True)
+    expected = reference.decode_attention(q.astype(np.float64), k.astype(np.float64),
+                                          v.astype(np.float64), mask,
+                                          sink_weights=sink_weights, return_lse=True)
+    result = nd.decode_attention(q, kd, vd, mask, sink_weights=sink_weights, return_lse=True)
+    return result, single, expected
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["no sinks", "sinks"])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_flash_on_worker_processes(client, rng, mask_name, sinks):
+    result, single, expected = _flash_case(rng, mask_name, sinks)
+    _check(_compute(result, client), single, expected, np.float32)
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["no sinks", "sinks"])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_decode_on_worker_processes(client, rng, mask_name, sinks):
+    result, single, expected = _decode_case(rng, mask_name, sinks)
+    _check(_compute(result, client), single, expected, np.float32)
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "or"])
+def test_threaded_scheduler(rng, mask_name):
+    for case in (_flash_case, _decode_case):
+        result, single, expected = case(rng, mask_name, True)
+        _check(_compute(result, None), single, expected, np.float32)
+
+
+@pytest.mark.slow
+def test_float64(client, rng):
+    for case in (_flash_case, _decode_case):
+        result, single, expected = case(rng, "window", True, np.float64)
+        got = _compute(result, client)
+        assert got[0].dtype == np.float64 and got[1].dtype == np.float64
+        _check(got, single, expected, np.float64)
+
+
+@pytest.mark.parametrize("form", ["ndarray [S, N]", "dask [B, S, N]",
+                                  "MaterializedMask [B, H, S, N] & causal"])
+def test_additive_masks(client, rng, form):
+    """Additive tensors, plain or Dask, cut per chunk like K/V (their columns past N unused)."""
+    q, k, v, kd, vd = _sharded(rng, np.float32)
+    shape = {"ndarray [S, N]": (S, N + 3), "dask [B, S, N]": (B, S, N),
+             "MaterializedMask [B, H, S, N] & causal": (B, H, S, N)}[form]
+    tensor = randn(rng, shape, np.float32)
+    tensor[tensor < -1] = -np.inf
+    if form.startswith("ndarray"):
+        mask = given = tensor
+    elif form.startswith("dask"):
+        mask, given = tensor, da.from_array(tensor, chunks=(1, S, 11))
+    else:
+        mask = given = MaterializedMask(tensor) & CausalMask()
+    single = numattn.flash_attention_kv_cache(q, k, v, mask, return_lse=True)
+    expected = reference.flash_attention_kv_cache(
+        q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+        mask.astype(np.float64) if isinstance(mask, np.ndarray) else
+        MaterializedMask(tensor.astype(np.float64)) & CausalMask(), return_lse=True)
+    got = _compute(nd.flash_attention_kv_cache(q, kd, vd, given, return_lse=True), client)
+    _check(got, single, expected, np.float32)
+    # decode: one query row
+    qd = q[:, 0]
+    row = tensor[..., :1, :] if tensor.ndim > 2 else tensor[:1]
+    single = numattn.decode_attention(qd, k, v, row, return_lse=True)
+    got = _compute(nd.decode_attention(qd, kd, vd, da.from_array(row), return_lse=True),
+                   client)
+    expected = reference.decode_attention(qd.astype(np.float64), k.astype(np.float64),
+                                          v.astype(np.float64), row.astype(np.float64),
+                                          return_lse=True)
+    _check(got, single, expected, np.float32)
+
+
+def test_gqa_groups_and_queries_chunked_along_s_and_h(rng):
+    """H = 8 query heads over Hkv = 2 (groups of 4); q given chunked along S keeps its
+    pieces (each attends every key chunk at its own positions) and is rechunked whole
+    along H, with K/V's batch chunks."""
+    q = randn(rng, (B, S, 8, D), np.float32)
+    k, v = randn(rng, (B, N, HKV, D), np.float32), randn(rng, (B, N, HKV, D), np.float32)
+    qd = da.from_array(q, chunks=(1, 2, 3, D))
+    mask = SlidingWindowCausalMask(6)
+    out = nd.flash_attention_kv_cache(qd, da.from_array(k, chunks=CHUNKS),
+                                      da.from_array(v, chunks=CHUNKS), mask)
+    assert out.chunks[:3] == (CHUNKS[0], (2, 2, 1), (8,))
+    got = out.compute(scheduler="threads")
+    assert_close(got, numattn.flash_attention_kv_cache(q, k, v, mask).astype(np.float64),
+                 tol=1e-5)
+    assert_close(got, reference.flash_attention_kv_cache(
+        q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask))
+
+
+def test_empty_key_chunks_and_sinks_counted_once(rng):
+    """A key chunk of no keys gives nothing (and the sink still counts once, though the
+    first chunk is empty); a single chunk is the single-process operation itself."""
+    q, k, v, _, _ = _sharded(rng, np.float32, decode=True)
+    sinks = randn(rng, H, np.float32)
+    expected = numattn.decode_attention(q, k, v, CausalMask(), sink_weights=sinks,
+                                        return_lse=True)
+    for chunks in [((B,), (0, 5, 0, 18), (HKV,), (D,)), ((B,), (N,), (HKV,), (D,))]:
+        kd, vd = da.from_array(k, chunks=chunks), da.from_array(v, chunks=chunks)
+        got = _compute(nd.decode_attention(q, kd, vd, CausalMask(), sink_weights=sinks,
+                                           return_lse=True), None)
+        for g, e in zip(got, expected):
+            assert_close(g, e.astype(np.float64), tol=1e-5)
+
+
+def test_merges_form_a_tree_of_pairs(rng):
+    """The partial states of J key chunks are merged two at a time: ceil(log2 J) levels."""
+    q, k, v, _, _ = _sharded(rng, np.float32, decode=True)
+    for parts in (1, 2, 5, 8, 23):
+        chunks = ((B,), tuple(np.diff(np.linspace(0, N, parts + 1).astype(int))), (HKV,),
+                  (D,))
+        out = nd.decode_attention(q, da.from_array(k, chunks=chunks),
+                                  da.from_array(v, chunks=chunks))
+        merges = [name for name in out.dask.layers if name.startswith("_merge_parts")]
+        assert len(merges) == max(1, math.ceil(math.log2(parts))), (parts, merges)
+        assert_close(out.compute(scheduler="threads"),
+                     numattn.decode_attention(q, k, v).astype(np.float64), tol=1e-5)
+
+
+def test_kv_chunks_stay_where_they_live(client, rng):
+    """With K/V persisted on the workers, a step moves partial states and queries, never a
+    K/V chunk: far fewer bytes than one chunk of K."""
+    q = randn(rng, (2, H, D), np.float32)
+    k, v = randn(rng, (2, 4096, HKV, D), np.float32), randn(rng, (2, 4096, HKV, D), np.float32)
+    chunks = (1, 1024, HKV, D)
+    kd, vd = client.persist([da.from_array(k, chunks=chunks), da.from_array(v, chunks=chunks)])
+    distributed.wait([kd, vd])
+
+    def received(dask_worker):
+        return sum(entry["total"] for entry in dask_worker.transfer_incoming_log)
+
+    single = numattn.decode_attention(q, k, v, CausalMask())
+    nd.decode_attention(q, kd, vd, CausalMask()).compute()  # the workers load the kernels
+    before = sum(client.run(received).values())
+    got = nd.decode_attention(q, kd, vd, CausalMask()).compute()
+    moved = sum(client.run(received).values()) - before
+    partial_bytes = H * (D + 1) * 4  # one sequence's partial state
+    assert moved <= 8 * partial_bytes + q.nbytes, moved
+    assert moved < 1024 * HKV * D * 4  # one K chunk
+    assert_close(got, single.astype(np.float64), tol=1e-5)
+
+
+# -- refusals, before any task runs ------------------------------------------------------
+def _unreadable(shape, chunks, dtype=np.float32):
+    """A Dask array whose blocks raise when computed: a call that refuses it before any
+    task runs raises its own error instead."""
+    def fail(block):
+        raise RuntimeError("a task ran")
+
+    return da.zeros(shape, chunks=chunks, dtype=dtype).map_blocks(fail, dtype=dtype)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("chunked along Hkv", "not along Hkv"),
+    ("chunked along D", "not along D"),
+    ("k and v chunked apart", "same chunks"),
+    ("dtype", "dtype"),
+    ("B", "B = "),
+    ("D", "head dimension"),
+    ("heads", "query heads"),
+    ("cache object", "dask.array"),
+    ("additive rows", "S = "),
+    ("sinks", "sink_weights"),
+])
+def test_bad_input_refused_before_any_task(rng, bad, match):
+    q = randn(rng, (B, S, H, D), np.float32)
+    kv_chunks = {"chunked along Hkv": (1, 8, 1, D), "chunked along D": (1, 8, HKV, 4)}.get(
+        bad, (1, 8, HKV, D))
+    k = _unreadable((B, N, HKV, D), kv_chunks)
+    v = _unreadable((B, N, HKV, D), (1, 4, HKV, D) if bad == "k and v chunked apart" else
+                    kv_chunks)
+    mask, sinks = CausalMask(), None
+    if bad == "dtype":
+        v = _unreadable((B, N, HKV, D), kv_chunks, np.float64)
+    elif bad == "B":
+        q = q[:2]
+    elif bad == "D":
+        q = q[..., :4]
+    elif bad == "heads":
+        q = randn(rng, (B, S, 3, D), np.float32)
+    elif bad == "cache object":
+        k = numattn.PagedKVCache(np.zeros((1, 4, HKV, D), np.float32), np.zeros(B, int),
+                                 np.zeros((B, 1), int))
+    elif bad == "additive rows":
+        mask = _unreadable((S + 1, N), (2, 8))
+    elif bad == "sinks":
+        sinks = np.zeros(H + 1, np.float32)
+    with pytest.raises((ValueError, TypeError), match=match):
+        nd.flash_attention_kv_cache(q, k, v, mask, sink_weights=sinks)
+
+
+def test_decode_refuses_padded_queries(rng):
+    k = _unreadable((B, N, HKV, D), (1, 8, HKV, D))
+    with pytest.raises(ValueError, match=r"\[B, H, D\]"):
+        nd.decode_attention(randn(rng, (B, S, H, D), np.float32), k, k)
+
+
+def test_import_without_dask_says_how_to_install():
+    """``import numattn`` does not import dask; ``import numattn.dask`` without dask says
+    ``pip install numattn[dask]``."""
+    code = ("import sys; import numattn; assert 'dask' not in sys.modules, 'dask imported'\n"
+            "sys.modules['dask'] = None; sys.modules['dask.array'] = None\n"
+            "try:\n    import numattn.dask\nexcept ImportError as e:\n    print(e)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, check=True)
+    assert "pip install numattn[dask]" in result.stdout, result.stdout + result.stderr
+
+
+def test_dask_demo_matches_one_process():
+    """``numattn demo --dask``'s loop: every sharded decode call equals the single-process
+    one, and a step moves a few partial states, not the cache."""
+    from numattn.tools.demo import run_dask_demo
+
+    result = run_dask_demo(batch=2, prompt_length=64, new_tokens=3, workers=2)
+    assert result.generated.shape == (2, 3)
+    assert 0 <= result.max_difference <= 1e-5
+    assert len(result.worker_bytes) == 3 and max(result.worker_bytes[1:]) < result.held_bytes
+    assert result.partial_bytes == 2 * 8 * (32 + 1) * 4
