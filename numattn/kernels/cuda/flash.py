@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from ...core.device import is_device_array, require_cuda
+from ...core.dtypes import FORMAT_NATIVE
 from ...core.jit import body, cuda, cuda_kernel
 from ...core.masks import TILE_FULL, TILE_NONE
 from ...core.validate import dtype_of, row_counts, shape_of, spans_overlap
@@ -232,6 +233,7 @@ def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv
     mask_b = b if additive.shape[0] > 1 else 0
     per_head_mask = additive.shape[1] > 1
     zero = scale - scale
+    real = q.dtype.type  # the compute dtype: a no-op on float storage, typed for the others
     for j in range(tid, block_k, num_threads):
         key = k0 + j
         row = -1
@@ -252,9 +254,13 @@ def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv
                     bias = additive[mask_b, h if per_head_mask else 0, r, key]
                 if visible and bias != -math.inf:
                     dot = zero
-                    for d in range(head_dim):
-                        dot += q[token0 + lr, h, d] * stored_value(k_rows[row, kv_head, d],
-                                                                   kv_format, q)
+                    if kv_format == FORMAT_NATIVE:  # plain reads (the simulator's pace)
+                        for d in range(head_dim):
+                            dot += q[token0 + lr, h, d] * real(k_rows[row, kv_head, d])
+                    else:
+                        for d in range(head_dim):
+                            dot += q[token0 + lr, h, d] * stored_value(
+                                k_rows[row, kv_head, d], kv_format, q)
                     if has_scales:  # q . (k s) = (q . k) s
                         dot *= k_scales[row, kv_head]
                     scores[i * block_k + j] = dot * scale + bias
@@ -309,6 +315,7 @@ def _tile_values_cuda(v_rows, v_scales, kv_format, has_scales, key_row, weights,
     num_threads = cuda.blockDim.x
     head_dim = out.shape[2]
     kv_head = h0 // group
+    real = out.dtype.type  # the compute dtype: a no-op on float storage, typed for the others
     for i in range(tid, width, num_threads):
         tile_sum = zero
         for j in range(num_keys):
@@ -323,7 +330,9 @@ def _tile_values_cuda(v_rows, v_scales, kv_format, has_scales, key_row, weights,
         total = zero
         for j in range(num_keys):
             p = weights[i * block_k + j]
-            if p != -math.inf:
+            if p != -math.inf and kv_format == FORMAT_NATIVE:
+                total += p * real(v_rows[key_row[j], kv_head, d])
+            elif p != -math.inf:
                 value = stored_value(v_rows[key_row[j], kv_head, d], kv_format, out)
                 if has_scales:
                     value *= v_scales[key_row[j], kv_head]

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ...core.device import is_device_array, require_cuda
+from ...core.dtypes import FORMAT_NATIVE
 from ...core.jit import body, cuda, cuda_kernel
 from ...core.masks import TILE_FULL, TILE_NONE
 from ...core.validate import shape_of
@@ -209,15 +210,20 @@ def _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, k_scales, 
     key_slot = tid // CUDA_DOT_LANES
     key_slots = threads // CUDA_DOT_LANES
     zero = scale - scale
+    real = q.dtype.type  # the compute dtype: a no-op on float storage, typed for the others
     for r0 in range(0, n, key_slots):
         t = k0 + r0 + key_slot
         if r0 + key_slot < n:
             page, slot = kv_page_slot(lookup_table, page_size, row_base, b, t)
             for g in range(gn):
                 dot = zero
-                for d in range(lane, head_dim, CUDA_DOT_LANES):
-                    dot += q[b, h0 + g, d] * stored_value(k_blocks[page, slot, j, d],
-                                                          kv_format, q)
+                if kv_format == FORMAT_NATIVE:  # plain reads (the simulator's pace)
+                    for d in range(lane, head_dim, CUDA_DOT_LANES):
+                        dot += q[b, h0 + g, d] * real(k_blocks[page, slot, j, d])
+                else:
+                    for d in range(lane, head_dim, CUDA_DOT_LANES):
+                        dot += q[b, h0 + g, d] * stored_value(k_blocks[page, slot, j, d],
+                                                              kv_format, q)
                 if has_scales:  # q . (k s) = (q . k) s
                     dot *= k_scales[page, slot, j]
                 shared[red + g * threads + tid] = dot
@@ -309,6 +315,7 @@ def _tile_values_cuda(v_blocks, page_size, lookup_table, row_base, v_scales, kv_
     tid = cuda.threadIdx.x
     threads = cuda.blockDim.x
     head_dim = acc.shape[1]
+    real = acc.dtype.type  # the compute dtype: a no-op on float storage, typed for the others
     for idx in range(tid, gn * head_dim, threads):
         g = idx // head_dim
         d = idx % head_dim
@@ -324,10 +331,13 @@ def _tile_values_cuda(v_blocks, page_size, lookup_table, row_base, v_scales, kv_
             # one whose weight underflowed (0 * V: NaN propagates)
             if p != 0 or not key_hidden(program, status, q_idx, has_additive, additive, b,
                                         h0 + g, k0 + i):
-                value = stored_value(v_blocks[page, slot, j, d], kv_format, acc)
-                if has_scales:
-                    value *= v_scales[page, slot, j]
-                total += p * value
+                if kv_format == FORMAT_NATIVE:
+                    total += p * real(v_blocks[page, slot, j, d])
+                else:
+                    value = stored_value(v_blocks[page, slot, j, d], kv_format, acc)
+                    if has_scales:
+                        value *= v_scales[page, slot, j]
+                    total += p * value
             slot += 1
             if slot == page_size and i + 1 < n:
                 slot = 0
