@@ -225,7 +225,19 @@ def test_kv_chunks_stay_where_they_live(client, rng):
     q = randn(rng, (2, H, D), np.float32)
     k, v = randn(rng, (2, 4096, HKV, D), np.float32), randn(rng, (2, 4096, HKV, D), np.float32)
     chunks = (1, 1024, HKV, D)
-    kd, vd = client.persist([da.from_array(k, chunks=chunks), da.from_array(v, chunks=chunks)])
+    # chunk (b, n) of K and of V on one worker, as a cache sharded by sequence and position
+    # would be (persisted apart, they could land on different workers, and a task would
+    # fetch one of them)
+    workers = sorted(client.scheduler_info()["workers"])[:2]
+
+    def placed(x):
+        import dask
+
+        with dask.annotate(workers=lambda key: [workers[(key[1] + key[2]) % 2]],
+                           allow_other_workers=False):
+            return da.from_array(x, chunks=chunks)
+
+    kd, vd = client.persist([placed(k), placed(v)], optimize_graph=False)
     distributed.wait([kd, vd])
 
     def received(dask_worker):

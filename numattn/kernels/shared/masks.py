@@ -61,7 +61,12 @@ def _build_dispatchers():
     # Numba cannot index a tuple of functions at run time: the dispatch on the opcode is
     # source generated from the registered leaves, compiled once, here (under this file's
     # name, which Numba's disk cache needs; the package's digest covers what it holds).
-    exec(compile(_dispatcher_source(len(leaves)), __file__, "exec"), scope)
+    # Its lines are placed past this file's end: asked for their source (as Numba's cache
+    # does), inspect then says there is none, where lines of this file would be read as
+    # theirs (and tokenizing from inside a docstring fails on Python 3.13).
+    with open(__file__, encoding="utf-8") as source_file:
+        past_end = "\n" * (sum(1 for _ in source_file) + 1)
+    exec(compile(past_end + _dispatcher_source(len(leaves)), __file__, "exec"), scope)
     return tuple(body(scope[name]) for name in ("_leaf_visible", "_leaf_tile", "_leaf_span"))
 
 
