@@ -12,6 +12,7 @@ Importing numattn compiles nothing and does not import ``numba.cuda``.
 from . import reference
 from .core.config import MHAConfig
 from .core.device import CudaUnavailableError
+from .core.functions import ScoreMod, alibi, softcap
 from .cross import cross_attention
 from .decode import DecodePlan, decode_attention
 from .flash import FlashPlan, flash_attention_kv_cache
@@ -21,6 +22,7 @@ from .masks import (
     CausalMask,
     ChunkedCausalMask,
     ChunkedMask,
+    FunctionMask,
     Mask,
     MaterializedMask,
     NullMask,
@@ -40,17 +42,21 @@ __all__ = [
     "CudaUnavailableError",
     "DecodePlan",
     "FlashPlan",
+    "FunctionMask",
     "MHAConfig",
     "Mask",
     "MaterializedMask",
     "NullMask",
     "OrMask",
     "PagedKVCache",
+    "ScoreMod",
     "SlidingWindowCausalMask",
+    "alibi",
     "cross_attention",
     "decode_attention",
     "flash_attention_kv_cache",
     "merge_states",
     "reference",
+    "softcap",
     "store_kv",
 ]

@@ -37,8 +37,8 @@ RULES = OperationRules(queries_at_start=True, dense_kv_prefix=True, any_cache_wh
 
 
 def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_offsets,
-                    mask=NO_MASK, scale=None, *, device="auto", out=None, return_lse=False,
-                    config=None):
+                    mask=NO_MASK, scale=None, *, score_mod=None, device="auto", out=None,
+                    return_lse=False, config=None):
     """Attention of ragged queries over ragged K/V rows or a KV cache, with ``q_idx = r``.
 
     Sequence ``b`` owns query rows ``q_input_row_offsets[b]:q_input_row_offsets[b + 1]``
@@ -71,6 +71,10 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
         largest key count (indexed with the local row ``r`` and the key position).
     scale : float, optional
         Score scale; ``None`` means ``1 / sqrt(D)``.
+    score_mod : ScoreMod, optional
+        Applied to each scaled score before the mask and the softmax
+        (:class:`~numattn.ScoreMod`, :func:`~numattn.softcap`, :func:`~numattn.alibi`);
+        the LSE is over the modified scores, sink logits are not modified.
     device : {"auto", "cpu", "cuda"}, default "auto"
         ``"auto"`` runs on CUDA when an input is a device array.  Device arrays are used in
         place; NumPy inputs with ``device="cuda"`` are copied over and the result back.
@@ -130,14 +134,15 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
     problem = attention_problem(
         q, k, v, mask, scale, rules=RULES, q_offsets=q_input_row_offsets,
         kv_offsets=kv_input_row_offsets, q_max_seq_len=q_max_seq_len, out=out,
-        return_lse=return_lse, config=config, device=device,
+        return_lse=return_lse, config=config, device=device, score_mod=score_mod,
     )
     if problem.q_offsets.shape[0] == 1:  # no sequence: return at once, out untouched
         return _empty_result(problem)
     if problem.device == "cuda":
+        from .kernels.cpu.function_tiles import with_tile_tables
         from .kernels.cuda.flash import run_flash_cuda
 
-        result, lse = run_flash_cuda(problem)
+        result, lse = run_flash_cuda(with_tile_tables(problem))
     else:
         from .kernels.cpu.flash import run_flash_cpu
 

@@ -12,7 +12,13 @@ K and V never move: what travels is each task's partial output and log-sum-exp,
 
 The masks see the global positions: the task over keys ``[n0, n1)`` of ``N`` shifts its
 keys by ``n0`` and its queries to ``N - S + r`` (decode: ``N - 1``), so a mask whose
-windows or chunks cross a chunk boundary gives what it gives on one machine.
+windows or chunks cross a chunk boundary gives what it gives on one machine.  The
+functions of :class:`~numattn.FunctionMask` masks and of ``score_mod`` see them too, and
+the global sequence index ``b`` (the task over a batch chunk that starts at ``b0`` shifts
+its sequences by ``b0``), so a function that reads a captured ``[B, ...]`` array by ``b``
+reads the row of its sequence.  The functions and their captures travel to the workers
+with the tasks (pickled by Dask, functions by reference to their module where it can be
+imported there, by value otherwise).
 
 Dask is an optional dependency (``pip install numattn[dask]``); ``import numattn`` does not
 import this module.  See the documentation page "Beyond one machine".
@@ -28,10 +34,9 @@ except ImportError as exc:  # pragma: no cover - exercised without dask
         "pip install numattn[dask]"
     ) from exc
 
-import inspect
-
 import numpy as np
 
+from .core.functions import bind_functions
 from .core.masks import (
     AndMask,
     MaterializedMask,
@@ -40,6 +45,7 @@ from .core.masks import (
     additive_4d,
     as_mask,
     compile_mask,
+    mask_functions,
 )
 from .core.validate import check_float_dtype, check_heads, check_scale, check_sink_weights
 from .decode import decode_attention as _decode_attention
@@ -73,7 +79,8 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, sink_weights=None, sc
         ``N`` only (one chunk along ``Hkv`` and ``D``).  NumPy arrays are taken as one chunk.
     mask : Mask, ndarray, dask.array.Array or None
         As :func:`numattn.flash_attention_kv_cache` takes it, evaluated at global
-        positions.  An additive tensor (``[S, N]``, ``[B, S, N]`` or ``[B, H, S, N]``; plain,
+        positions (a :class:`~numattn.FunctionMask` also at global sequence indices
+        ``b``).  An additive tensor (``[S, N]``, ``[B, S, N]`` or ``[B, H, S, N]``; plain,
         Dask or in a :class:`~numattn.MaterializedMask`) is cut along ``B`` and ``N`` like
         K/V, each task reading its own block.
     scale : float, optional
@@ -82,7 +89,9 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, sink_weights=None, sc
         One sink logit per query head, counted once (given to the task of the first key
         chunk of each batch chunk).
     score_mod : ScoreMod, optional
-        Passed to each chunk's operation, when given.
+        As :func:`numattn.flash_attention_kv_cache` takes it (``softcap(cap)``,
+        ``alibi(slopes)`` or a :class:`~numattn.ScoreMod` of your own), its function
+        evaluated at global positions and sequence indices like the mask's functions.
     return_lse : bool, default False
         Also return the log-sum-exp of each row, ``[B, S, H]``.
 
@@ -96,7 +105,9 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, sink_weights=None, sc
     Raises
     ------
     TypeError
-        If an argument has the wrong type or dtype.
+        If an argument has the wrong type or dtype, ``score_mod`` is not a
+        :class:`~numattn.ScoreMod`, or Numba cannot compile a :class:`~numattn.FunctionMask`
+        or ``score_mod`` function for the call's argument types; before any task runs.
     ValueError
         If shapes disagree, K/V are chunked along ``Hkv`` or ``D``, or ``k`` and ``v`` have
         different chunks; before any task runs.
@@ -142,14 +153,16 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
         Keys and values of ``q``'s dtype with the same chunks, chunked along ``B`` and/or
         ``N`` only.  NumPy arrays are taken as one chunk.
     mask : Mask, ndarray, dask.array.Array, default NullMask()
-        As :func:`numattn.decode_attention` takes it, evaluated at global positions; an
+        As :func:`numattn.decode_attention` takes it, evaluated at global positions (a
+        :class:`~numattn.FunctionMask` also at global sequence indices ``b``); an
         additive tensor is ``[1, N]``, ``[B, 1, N]`` or ``[B, H, 1, N]``.
     scale : float, optional
         Score scale; ``None`` means ``1 / sqrt(D)``.
     sink_weights : array [H], optional
         One sink logit per query head, counted once.
     score_mod : ScoreMod, optional
-        Passed to each chunk's operation, when given.
+        As :func:`numattn.decode_attention` takes it, its function evaluated at global
+        positions and sequence indices like the mask's functions.
     return_lse : bool, default False
         Also return the log-sum-exp of each row, ``[B, H]``.
 
@@ -162,7 +175,9 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
     Raises
     ------
     TypeError
-        If an argument has the wrong type or dtype.
+        If an argument has the wrong type or dtype, ``score_mod`` is not a
+        :class:`~numattn.ScoreMod`, or Numba cannot compile a :class:`~numattn.FunctionMask`
+        or ``score_mod`` function for the call's argument types; before any task runs.
     ValueError
         If shapes disagree, K/V are chunked along ``Hkv`` or ``D``, or ``k`` and ``v`` have
         different chunks; before any task runs.
@@ -225,10 +240,6 @@ def _split_tensor(mask):
     return mask, None
 
 
-def _accepts(function, keyword):
-    return keyword in inspect.signature(function).parameters
-
-
 def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
     """Check everything, then build the graph: partial states per (batch chunk, key chunk)
     and their tree of merges."""
@@ -264,13 +275,14 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
     scale = check_scale(scale, head_dim, dtype)
     if sink_weights is not None:
         sink_weights = check_sink_weights(np.asarray(sink_weights), num_heads, dtype)
-    if score_mod is not None and not _accepts(operation, "score_mod"):
-        raise TypeError(f"score_mod: numattn.{operation.__name__} takes no score_mod in this "
-                        "version")
     if isinstance(mask, da.Array):
         mask = MaterializedMask(mask)
     mask = as_mask(mask)
     compile_mask(mask)  # the mask's own checks: one MaterializedMask, none under '|'
+    # The functions of FunctionMask leaves and score_mod, compiled here for the call's
+    # argument types (the function alone, not the kernels): a type or a function that the
+    # tasks could not compile is refused now, not by every task on its worker.
+    bind_functions(mask_functions(mask), score_mod, dtype, "cpu")
     mask, tensor = _split_tensor(mask)
 
     # The blocks each task reads: q cut like K/V along B and whole along H and D; along S,
@@ -287,11 +299,14 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
     starts = np.cumsum((0, *n_chunks[:-1]), dtype=np.int64)
     chunk_ids = da.from_array(np.stack([np.arange(len(n_chunks)), starts], axis=1),
                               chunks=(1, 2))
+    # the global index of each batch chunk's first sequence: the b that functions see
+    batch_starts = da.from_array(np.cumsum((0, *b_chunks[:-1]), dtype=np.int64), chunks=1)
     if decode:
-        args = [q, "bhd", k, "bnkd", v, "bnkd", chunk_ids, "nz", None, None]
+        args = [q, "bhd", k, "bnkd", v, "bnkd", chunk_ids, "nz", batch_starts, "b",
+                None, None]
     else:
         row_starts = np.cumsum((0, *q.chunks[1][:-1]), dtype=np.int64)
-        args = [q, "bshd", k, "bnkd", v, "bnkd", chunk_ids, "nz",
+        args = [q, "bshd", k, "bnkd", v, "bnkd", chunk_ids, "nz", batch_starts, "b",
                 da.from_array(row_starts, chunks=1), "s"]
     if tensor is not None:
         args += _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks,
@@ -341,8 +356,8 @@ def _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks, 
 # --------------------------------------------------------------------------------------
 # The tasks.  A partial state is out and lse side by side: [..., D + 1], lse last.
 # --------------------------------------------------------------------------------------
-def _partial_state(q, k, v, chunk_id, row_start, tensor=None, *, operation, mask, num_keys,
-                   num_rows, scale, sink_weights, score_mod, decode):
+def _partial_state(q, k, v, chunk_id, batch_start, row_start, tensor=None, *, operation, mask,
+                   num_keys, num_rows, scale, sink_weights, score_mod, decode):
     """One (batch chunk, key chunk(, query piece)) task: the single-process operation over
     the chunk's keys and the piece's queries at their global positions; returns
     ``[b, 1, (s,) H, D + 1]``.
@@ -351,9 +366,9 @@ def _partial_state(q, k, v, chunk_id, row_start, tensor=None, *, operation, mask
     (Hkv of K/V, the additive tensor's rows): those axes are one chunk, so the block is
     the only element, taken as it is (concatenating would copy the K/V chunk).
     """
-    q, k, v, chunk_id, row_start, tensor = (
-        _only_block(x) for x in (q, k, v, chunk_id, row_start, tensor))
-    index, n0 = int(chunk_id[0, 0]), int(chunk_id[0, 1])
+    q, k, v, chunk_id, batch_start, row_start, tensor = (
+        _only_block(x) for x in (q, k, v, chunk_id, batch_start, row_start, tensor))
+    index, n0, b0 = int(chunk_id[0, 0]), int(chunk_id[0, 1]), int(batch_start[0])
     s0, rows = (0, 1) if decode else (int(row_start[0]), q.shape[1])
     n = k.shape[1]
     sinks = sink_weights if index == 0 else None  # counted once: in the first key chunk
@@ -370,7 +385,7 @@ def _partial_state(q, k, v, chunk_id, row_start, tensor=None, *, operation, mask
         q_offset = (num_keys - num_rows + s0) - (n - rows)
         out, lse = operation(np.ascontiguousarray(q), np.ascontiguousarray(k),
                              np.ascontiguousarray(v), mask, scale, sink_weights=sinks,
-                             return_lse=True, _positions=(q_offset, n0), **extra)
+                             return_lse=True, _positions=(q_offset, n0, b0), **extra)
     return _pack(out, lse)[:, None]
 
 

@@ -21,7 +21,7 @@ from .core.config import resolve_config
 from .core.device import resolve_device
 from .core.interop import as_arrays
 from .core.kv_cache import KVCache, PlannedKV
-from .core.masks import NullMask, compile_mask
+from .core.masks import NullMask, as_mask, compile_mask, mask_functions
 from .core.problem import (
     OUT_AFTER_READS,
     OperationRules,
@@ -46,8 +46,8 @@ RULES = OperationRules(queries_at_start=False, dense_kv_prefix=False,
 
 
 def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
-                     num_partitions=None, device="auto", out=None, return_lse=False,
-                     config=None, _positions=None):
+                     score_mod=None, num_partitions=None, device="auto", out=None,
+                     return_lse=False, config=None, _positions=None):
     """Attention of one new query token per sequence over its KV cache (split-K).
 
     The new token's K and V rows are already in the cache, so sequence ``b`` attends over
@@ -71,6 +71,10 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
         Score scale; ``None`` means ``1 / sqrt(D)``.
     sink_weights : ndarray, shape [H], optional
         One sink logit per query head, counted once in each row's softmax denominator.
+    score_mod : ScoreMod, optional
+        Applied to each scaled score before the mask and the softmax
+        (:class:`~numattn.ScoreMod`, :func:`~numattn.softcap`, :func:`~numattn.alibi`);
+        the LSE is over the modified scores, sink logits are not modified.
     num_partitions : int, optional
         Key partitions per sequence (split-K).  ``None`` takes ``config.num_partitions`` or,
         if that is ``None`` too, picks a count from the work size and the number of CPU
@@ -89,9 +93,11 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
     config : MHAConfig, optional
         ``block_k`` (tile and partition alignment), ``num_partitions`` (default for the
         argument), ``threads_per_block`` (CUDA).
-    _positions : (int, int), optional
+    _positions : (int, int) or (int, int, int), optional
         Internal (:mod:`numattn.dask`): ``(q_offset, k_offset)`` added to the query and key
-        positions the mask sees, when ``k`` and ``v`` are a shard of longer sequences.
+        positions the mask and score functions see, when ``k`` and ``v`` are a shard of
+        longer sequences; a third entry is added to the sequence index they see (a chunk of
+        the batch).
 
     Returns
     -------
@@ -133,7 +139,8 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
     )
     problem = attention_problem(q, k, v, mask, scale, rules=RULES, one_row=True,
                                 sink_weights=sink_weights, out=out, return_lse=return_lse,
-                                config=config, device=device, positions=_positions)
+                                config=config, device=device, positions=_positions,
+                                score_mod=score_mod)
     result, lse = _run(problem, num_partitions, None)
     return (result, lse) if return_lse else result
 
@@ -158,6 +165,9 @@ class DecodePlan:
     mask : Mask or ndarray, default NullMask()
         As :func:`decode_attention` takes it, for every layer.  A ``[B, H, 1, N]`` additive
         tensor's ``H`` is checked against each layer's queries.
+    score_mod : ScoreMod, optional
+        As :func:`decode_attention` takes it, for every layer (captured values are read at
+        each run).
     num_partitions : int, optional
         Key partitions per sequence, as :func:`decode_attention` takes it.
     device : {"auto", "cpu", "cuda"}, default "auto"
@@ -199,8 +209,8 @@ class DecodePlan:
     True
     """
 
-    def __init__(self, k, v, mask=NO_MASK, *, num_partitions=None, device="auto",
-                 config=None, q_dtype=None):
+    def __init__(self, k, v, mask=NO_MASK, *, score_mod=None, num_partitions=None,
+                 device="auto", config=None, q_dtype=None):
         config = resolve_config(config)
         k, v, mask = as_arrays(k=k, v=v, mask=mask)
         self._num_partitions = _check_num_partitions(
@@ -213,12 +223,14 @@ class DecodePlan:
         else:
             check_array("k", k, ndim=4)
             batch, kv_dtype = shape_of(k)[0], check_kv_dtype("k", k)
+        mask = as_mask(mask)
         program, tensor = compile_mask(mask)
         step = attention_step(
             k, v, program, tensor, q_offsets=np.arange(batch + 1, dtype=np.int64),
             q_lens=np.ones(batch, dtype=np.int64), max_q_len=1, kv_offsets=None,
             ragged=False, dtype=plan_q_dtype(q_dtype, kv_dtype), num_heads=None,
-            config=config, rules=RULES,
+            config=config, rules=RULES, mask_functions=mask_functions(mask),
+            score_mod=score_mod, device="cuda" if device == "cuda" else "cpu",
         )
         self._kv = PlannedKV(k, v, step.layout)
         self._step = step._replace(layout=self._kv.layout)
@@ -307,9 +319,11 @@ def _run(problem, num_partitions, launch):
     """Run a checked problem on its device; on the CPU as ``launch`` says (``None``: as
     :func:`~numattn.kernels.cpu.split_k.decode_launch` says for it).  Returns ``(out, lse)``."""
     if problem.device == "cuda":
+        from .kernels.cpu.function_tiles import with_tile_tables
         from .kernels.cuda.split_k import run_decode_cuda
 
-        return finish_result(problem, *run_decode_cuda(problem, num_partitions))
+        return finish_result(problem, *run_decode_cuda(with_tile_tables(problem),
+                                                       num_partitions))
     from .kernels.cpu.split_k import decode_launch, run_decode_cpu
 
     if launch is None:

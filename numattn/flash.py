@@ -16,7 +16,7 @@ import numpy as np
 from .core.config import resolve_config
 from .core.interop import as_arrays
 from .core.kv_cache import KVCache, PlannedKV
-from .core.masks import compile_mask
+from .core.masks import as_mask, compile_mask, mask_functions
 from .core.problem import (
     OUT_MAY_BE_Q,
     OperationRules,
@@ -48,8 +48,9 @@ RULES = OperationRules(queries_at_start=False, dense_kv_prefix=False,
 
 
 def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=None,
-                             kv_input_row_offsets=None, sink_weights=None, out=None,
-                             return_lse=False, config=None, device="auto", _positions=None):
+                             kv_input_row_offsets=None, sink_weights=None, score_mod=None,
+                             out=None, return_lse=False, config=None, device="auto",
+                             _positions=None):
     """Attention of new query tokens over a KV cache, on the CPU (flash attention).
 
     Query row ``r`` of sequence ``b`` sits at position
@@ -85,6 +86,10 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         New K/V rows per sequence (ragged queries only).
     sink_weights : ndarray [H], optional
         One sink logit per query head, counted once in each row's softmax denominator.
+    score_mod : ScoreMod, optional
+        Applied to each scaled score before the mask and the softmax
+        (:class:`~numattn.ScoreMod`, :func:`~numattn.softcap`, :func:`~numattn.alibi`);
+        the LSE is over the modified scores, sink logits are not modified.
     out : ndarray, optional
         C-contiguous array of ``q``'s shape and dtype (or float32), written in place and
         returned.  It
@@ -98,9 +103,11 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         ``"auto"`` runs on CUDA when an input is a device array (C-contiguous there).  With
         ``"cuda"``, NumPy inputs are copied to the GPU and the results back; device arrays
         are used in place and the results stay on the device.
-    _positions : (int, int), optional
+    _positions : (int, int) or (int, int, int), optional
         Internal (:mod:`numattn.dask`): ``(q_offset, k_offset)`` added to the query and key
-        positions the mask sees, when ``k`` and ``v`` are a shard of longer sequences.
+        positions the mask and score functions see, when ``k`` and ``v`` are a shard of
+        longer sequences; a third entry is added to the sequence index they see (a chunk of
+        the batch).
 
     Returns
     -------
@@ -138,11 +145,14 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         q, k, v, mask, scale, rules=RULES, q_offsets=q_input_row_offsets,
         kv_offsets=kv_input_row_offsets, sink_weights=sink_weights, out=out,
         return_lse=return_lse, config=config, device=device, positions=_positions,
+        score_mod=score_mod,
     )
     if problem.device == "cuda":
-        from .kernels.cuda.flash import run_flash_cuda  # kernel modules load at the first call
+        # kernel modules load at the first call; the function tile tables are made on the CPU
+        from .kernels.cpu.function_tiles import with_tile_tables
+        from .kernels.cuda.flash import run_flash_cuda
 
-        result, lse = run_flash_cuda(problem)
+        result, lse = run_flash_cuda(with_tile_tables(problem))
     else:
         from .kernels.cpu.flash import run_flash_cpu
 
@@ -195,6 +205,9 @@ class FlashPlan:
         Rows of each sequence in the ragged queries ``[T, H, D]`` of every layer.
     kv_input_row_offsets : int array [B + 1], optional
         New K/V rows per sequence, as :func:`flash_attention_kv_cache` takes them.
+    score_mod : ScoreMod, optional
+        As :func:`flash_attention_kv_cache` takes it, for every layer (captured values are
+        read at each run).
     config : MHAConfig, optional
         As :func:`flash_attention_kv_cache` takes it.
     q_dtype : dtype, optional
@@ -234,7 +247,7 @@ class FlashPlan:
     """
 
     def __init__(self, k, v, mask, *, q_input_row_offsets, kv_input_row_offsets=None,
-                 config=None, q_dtype=None):
+                 score_mod=None, config=None, q_dtype=None):
         config = resolve_config(config)
         k, v, mask = as_arrays(k=k, v=v, mask=mask)
         _check_on_host(None, k, v, mask)
@@ -249,11 +262,13 @@ class FlashPlan:
         q_offsets = check_row_offsets("q_input_row_offsets", offsets, self._total,
                                       "its last entry")
         q_lens = row_counts(q_offsets)
+        mask = as_mask(mask)
         program, tensor = compile_mask(mask)
         step = attention_step(
             k, v, program, tensor, q_offsets=q_offsets, q_lens=q_lens,
             max_q_len=int(q_lens.max(initial=0)), kv_offsets=kv_input_row_offsets,
             ragged=True, dtype=dtype, num_heads=None, config=config, rules=RULES,
+            mask_functions=mask_functions(mask), score_mod=score_mod,
         )
         self._kv = PlannedKV(k, v, step.layout)
         self._step = step._replace(layout=self._kv.layout)

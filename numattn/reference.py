@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .core.kv_cache import ContinuousBatchingKVCache, PagedKVCache
-from .core.masks import AndMask, MaterializedMask, NullMask, OrMask, as_mask
+from .core.masks import AndMask, MaterializedMask, NullMask, OrMask, as_mask, mask_functions
 
 __all__ = ["cross_attention", "decode_attention", "flash_attention_kv_cache", "merge_states"]
 
@@ -58,11 +58,12 @@ def _additive_tensor(mask):
     return None
 
 
-def _attend(q, keys, values, q_pos, rows, b, mask, scale, sink_weights):
+def _attend(q, keys, values, q_pos, rows, b, mask, scale, sink_weights, score_mod=None):
     """Attention of queries ``q [S, H, D]`` over ``keys/values [N, Hkv, D]`` (float64).
 
     ``q_pos[i]`` is the absolute position of query ``i`` and ``rows[i]`` its local row
-    (for additive tensors).  Returns ``out [S, H, D]`` and ``lse [S, H]``.
+    (for additive tensors); ``score_mod`` (a :class:`~numattn.ScoreMod`) is evaluated in
+    Python for each pair.  Returns ``out [S, H, D]`` and ``lse [S, H]``.
     """
     s_len, h, d = q.shape
     n, hkv = keys.shape[0], keys.shape[1]
@@ -70,14 +71,20 @@ def _attend(q, keys, values, q_pos, rows, b, mask, scale, sink_weights):
     out = np.zeros((s_len, h, d))
     lse = np.full((s_len, h), -np.inf)
     k_idx = np.arange(n)
-    visible = mask.visible(q_pos[:, None], k_idx[None, :]) if n else np.zeros((s_len, 0), bool)
+    per_head = bool(mask_functions(mask))
+    visible = mask.visible(q_pos[:, None], k_idx[None, :], b=b) if n else np.zeros((s_len, 0), bool)
     additive = _additive_tensor(mask)
     # NaN and inf may sit in hidden slots (and in visible ones): no warnings for them
     with np.errstate(invalid="ignore", over="ignore"):
         for head in range(h):
             kv = head // group
             scores = scale * (q[:, head, :] @ keys[:, kv, :].T)  # [S, N]
+            if score_mod is not None:
+                for i, j in np.ndindex(scores.shape):
+                    scores[i, j] = score_mod(scores[i, j], b, head, int(q_pos[i]), j)
             seen = visible
+            if per_head and n:
+                seen = mask.visible(q_pos[:, None], k_idx[None, :], b=b, h=head)
             if additive is not None and n:
                 t = np.asarray(additive, dtype=np.float64)
                 if t.ndim == 2:
@@ -87,7 +94,7 @@ def _attend(q, keys, values, q_pos, rows, b, mask, scale, sink_weights):
                 else:
                     bias = t[b, head][rows][:, :n]
                 scores = scores + bias
-                seen = visible & (bias != -np.inf)  # -inf hides the key, whatever its score
+                seen = seen & (bias != -np.inf)  # -inf hides the key, whatever its score
             for i in range(s_len):
                 sel = seen[i]
                 s = scores[i, sel]
@@ -118,7 +125,8 @@ def _cache_lengths(k, batch):
 
 
 def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=None,
-                             kv_input_row_offsets=None, sink_weights=None, return_lse=False):
+                             kv_input_row_offsets=None, sink_weights=None, score_mod=None,
+                             return_lse=False):
     """Reference for :func:`numattn.flash_attention_kv_cache` (float64 results).
 
     Parameters
@@ -135,6 +143,8 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         Ragged splits of the queries and of plain K/V rows.
     sink_weights : ndarray [H], optional
         One sink logit per query head.
+    score_mod : ScoreMod, optional
+        Applied to each scaled score (in Python, pair by pair).
     return_lse : bool
         Also return the log-sum-exp.
 
@@ -166,7 +176,7 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
             keys, vals = _tokens(k, b, 0, n), _tokens(v, b, 0, n)
             rows = np.arange(s_len)
             out[b], lse[b] = _attend(q[b], keys, vals, n - s_len + rows, rows, b, mask, sc,
-                                     sinks)
+                                     sinks, score_mod)
     else:
         qo = np.asarray(q_input_row_offsets, dtype=np.int64)
         ko = qo if kv_input_row_offsets is None else np.asarray(kv_input_row_offsets, np.int64)
@@ -181,11 +191,12 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
             rows = np.arange(q_len)
             sl = slice(qo[b], qo[b + 1])
             out[sl], lse[sl] = _attend(q[sl], keys, vals, n - q_len + rows, rows, b, mask, sc,
-                                       sinks)
+                                       sinks, score_mod)
     return (out, lse) if return_lse else out
 
 
-def decode_attention(q, k, v, mask=None, scale=None, *, sink_weights=None, return_lse=False):
+def decode_attention(q, k, v, mask=None, scale=None, *, sink_weights=None, score_mod=None,
+                     return_lse=False):
     """Reference for :func:`numattn.decode_attention`: ``q [B, H, D]``, one token each.
 
     Parameters
@@ -200,6 +211,8 @@ def decode_attention(q, k, v, mask=None, scale=None, *, sink_weights=None, retur
         Score scale; ``None`` means ``1 / sqrt(D)``.
     sink_weights : ndarray [H], optional
         One sink logit per query head.
+    score_mod : ScoreMod, optional
+        Applied to each scaled score (in Python, pair by pair).
     return_lse : bool
         Also return the log-sum-exp.
 
@@ -228,13 +241,13 @@ def decode_attention(q, k, v, mask=None, scale=None, *, sink_weights=None, retur
         n = k.shape[1] if isinstance(k, np.ndarray) else cl[b] + 1
         keys, vals = _tokens(k, b, 0, n), _tokens(v, b, 0, n)
         o, l_ = _attend(q[b][None], keys, vals, np.array([n - 1]), np.array([0]), b, mask, sc,
-                        sinks)
+                        sinks, score_mod)
         out[b], lse[b] = o[0], l_[0]
     return (out, lse) if return_lse else out
 
 
 def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_offsets,
-                    mask=None, scale=None, *, return_lse=False):
+                    mask=None, scale=None, *, score_mod=None, return_lse=False):
     """Reference for :func:`numattn.cross_attention`: queries at ``q_idx = r``.
 
     Parameters
@@ -254,6 +267,8 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
         A mask object (``q_idx = r``), an additive tensor, or None (no mask).
     scale : float, optional
         Score scale; ``None`` means ``1 / sqrt(D)``.
+    score_mod : ScoreMod, optional
+        Applied to each scaled score (in Python, pair by pair).
     return_lse : bool
         Also return the log-sum-exp.
 
@@ -290,7 +305,7 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
         keys, vals = _tokens(k, b, 0, n, ko), _tokens(v, b, 0, n, ko)
         rows = np.arange(q_len)
         sl = slice(qo[b], qo[b + 1])
-        out[sl], lse[sl] = _attend(q[sl], keys, vals, rows, rows, b, mask, sc, None)
+        out[sl], lse[sl] = _attend(q[sl], keys, vals, rows, rows, b, mask, sc, None, score_mod)
     return (out, lse) if return_lse else out
 
 

@@ -26,7 +26,7 @@ from numattn.masks import (
 
 from . import internals
 from .conftest import CPU_PATHS, cuda_param, on_devices, requires_cuda, use_device
-from .utils import assert_close, make_kv, randn
+from .utils import assert_close, make_kv, no_functions_type, randn
 
 KINDS = ("ragged", "dense", "continuous", "paged")
 MASKS = ("null", "causal", "sliding", "chunked", "chunked_causal", "additive_sn",
@@ -540,7 +540,8 @@ def test_kernel_compiles_to_ptx(dtype, storage, ptx_compiler):
     scales = types.float32[:, ::1]
     signature = (
         ft[:, :, ::1], idx1, idx1, idx1, idx1, kv, kv, types.int64, idx2, idx1, idx1, scales,
-        scales, types.int64, types.boolean, idx2, ft[:, :, :, ::1], types.boolean, ft, ft[::1],
+        scales, types.int64, types.boolean, idx2, no_functions_type(), ft[:, :, :, ::1],
+        types.boolean, ft, ft[::1],
         types.boolean, types.int64, types.int64, types.int64, types.int64, ft[:, :, ::1],
         ft[:, ::1], types.boolean,
     )

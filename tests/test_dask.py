@@ -22,6 +22,7 @@ from numattn import (  # noqa: E402
     CausalMask,
     ChunkedCausalMask,
     ChunkedMask,
+    FunctionMask,
     MaterializedMask,
     NullMask,
     SlidingWindowCausalMask,
@@ -256,6 +257,80 @@ def test_kv_chunks_stay_where_they_live(client, rng):
     assert_close(got, single.astype(np.float64), tol=1e-5)
 
 
+# -- FunctionMask and score_mod ------------------------------------------------------------
+def same_document(b, h, q_idx, kv_idx, documents):
+    """Query and key in the same document of sequence ``b`` (``documents``: [B, N] ids)."""
+    return documents[b, q_idx] == documents[b, kv_idx]
+
+
+@pytest.mark.parametrize("score_mod_name", ["softcap", "alibi"])
+def test_function_mask_and_score_mod_on_worker_processes(client, rng, score_mod_name):
+    """A FunctionMask that reads its sequence's document ids by ``b`` (a batch chunk starting
+    at b = 2 sees b = 2), with CausalMask, and a score modifier that reads the positions:
+    the functions see global sequences and positions on every task, and travel to the
+    worker processes (``same_document`` by reference to this module)."""
+    q, k, v, kd, vd = _sharded(rng, np.float32)
+    q *= 3  # scores of a few units, which a cap of 2 bends
+    sinks = randn(rng, H, np.float32)
+    # document boundaries inside the key chunks, and different in each sequence
+    documents = np.sort(rng.integers(0, 4, (B, N)), axis=1)
+    mask = CausalMask() & FunctionMask(same_document, documents)
+    score_mod = {"softcap": lambda: numattn.softcap(2.0),
+                 "alibi": lambda: numattn.alibi(randn(rng, H, np.float32) ** 2)}[
+        score_mod_name]()
+    f64 = [x.astype(np.float64) for x in (q, k, v)]
+    for decode in (False, True):
+        if decode:
+            queries, expected_queries = q[:, -1], f64[0][:, -1]
+            single_op, reference_op, sharded_op = (numattn.decode_attention,
+                                                   reference.decode_attention,
+                                                   nd.decode_attention)
+        else:
+            queries, expected_queries = q, f64[0]
+            single_op, reference_op, sharded_op = (numattn.flash_attention_kv_cache,
+                                                   reference.flash_attention_kv_cache,
+                                                   nd.flash_attention_kv_cache)
+        kwargs = dict(sink_weights=sinks, score_mod=score_mod, return_lse=True)
+        single = single_op(queries, k, v, mask, **kwargs)
+        expected = reference_op(expected_queries, *f64[1:], mask, **kwargs)
+        got = _compute(sharded_op(queries, kd, vd, mask, **kwargs), client)
+        _check(got, single, expected, np.float32)
+
+
+def _kernel_bindings():
+    """The kernels bound in this process (one per body, target and specialization)."""
+    from numattn.core import jit
+
+    return jit._cpu_jit.cache_info().currsize
+
+
+def test_functions_sent_by_value_bind_the_kernels_once(client, rng):
+    """A function that Dask sends by value (one defined inside a function, in ``__main__``
+    or in a notebook) arrives as a new object with every graph: the workers bind the
+    kernels for it once, not at every call."""
+    def before_limit(b, h, q_idx, kv_idx, limits):
+        return kv_idx < limits[b]
+
+    q, k, v, kd, vd = _sharded(rng, np.float32, decode=True)
+    mask = FunctionMask(before_limit, rng.integers(1, N, B))
+    single = numattn.decode_attention(q, k, v, mask)
+    bound = []
+    for _ in range(3):
+        got = nd.decode_attention(q, kd, vd, mask).compute()
+        assert_close(got, single.astype(np.float64), tol=1e-5)
+        bound.append(client.run(_kernel_bindings))
+    assert bound[1] == bound[2], bound
+
+
+def _plain_python(q_idx):
+    return q_idx
+
+
+def calls_plain_python(b, h, q_idx, kv_idx):
+    """A mask function that Numba cannot compile: it calls a function it does not know."""
+    return _plain_python(q_idx) >= kv_idx
+
+
 # -- refusals, before any task runs ------------------------------------------------------
 def _unreadable(shape, chunks, dtype=np.float32):
     """A Dask array whose blocks raise when computed: a call that refuses it before any
@@ -277,6 +352,9 @@ def _unreadable(shape, chunks, dtype=np.float32):
     ("cache object", "dask.array"),
     ("additive rows", "S = "),
     ("sinks", "sink_weights"),
+    ("score_mod", "score_mod must be a numattn.ScoreMod"),
+    ("mask function", "FunctionMask function calls_plain_python cannot be compiled"),
+    ("score_mod capture", "capture 0 must be a NumPy array or a number"),
 ])
 def test_bad_input_refused_before_any_task(rng, bad, match):
     q = randn(rng, (B, S, H, D), np.float32)
@@ -285,7 +363,7 @@ def test_bad_input_refused_before_any_task(rng, bad, match):
     k = _unreadable((B, N, HKV, D), kv_chunks)
     v = _unreadable((B, N, HKV, D), (1, 4, HKV, D) if bad == "k and v chunked apart" else
                     kv_chunks)
-    mask, sinks = CausalMask(), None
+    mask, sinks, score_mod = CausalMask(), None, None
     if bad == "dtype":
         v = _unreadable((B, N, HKV, D), kv_chunks, np.float64)
     elif bad == "B":
@@ -301,8 +379,14 @@ def test_bad_input_refused_before_any_task(rng, bad, match):
         mask = _unreadable((S + 1, N), (2, 8))
     elif bad == "sinks":
         sinks = np.zeros(H + 1, np.float32)
+    elif bad == "score_mod":
+        score_mod = lambda score, b, h, q_idx, kv_idx: score  # noqa: E731
+    elif bad == "mask function":
+        mask = CausalMask() & FunctionMask(calls_plain_python)
+    elif bad == "score_mod capture":
+        score_mod = numattn.ScoreMod(same_document, [1, 2])
     with pytest.raises((ValueError, TypeError), match=match):
-        nd.flash_attention_kv_cache(q, k, v, mask, sink_weights=sinks)
+        nd.flash_attention_kv_cache(q, k, v, mask, sink_weights=sinks, score_mod=score_mod)
 
 
 def test_decode_refuses_padded_queries(rng):

@@ -26,7 +26,7 @@ from numattn.decode import decode_attention
 
 from . import internals
 from .conftest import FLOAT32_FAST, requires_cuda
-from .utils import CACHE_KINDS, assert_close, make_kv, randn
+from .utils import CACHE_KINDS, assert_close, make_kv, no_functions_type, randn
 
 DTYPES = [np.float32, np.float64]
 PARTITIONS = [1, 2, 5, 32]
@@ -397,7 +397,7 @@ def test_automatic_partition_count_follows_the_threads_that_run_it(rng, monkeypa
     (more would only add merge work), several on the worker threads; right either way."""
     decode_module = internals.cpu_split_k
     counts = record_argument(monkeypatch, decode_module, internals.partial_states_cpu.__name__,
-                             11)  # num_partitions
+                             10)  # num_partitions
     k, v = make_kv(rng, "paged", [300, 250], [1, 1], 2, 32, np.float32, page_size=16)
     q = randn(rng, (2, 8, 32), np.float32)
     want = numattn.reference.decode_attention(q, k, v, CausalMask())
@@ -769,6 +769,7 @@ def test_every_cuda_kernel_compiles_to_ptx(ptx_compiler, dtype, storage):
     from numba import types
 
     real = getattr(types, dtype)
+    NO_FUNCTIONS_TYPE = no_functions_type()
 
     def arr(ndim, of=real):
         return types.Array(of, ndim, "C")
@@ -777,8 +778,8 @@ def test_every_cuda_kernel_compiles_to_ptx(ptx_compiler, dtype, storage):
     kv, scales = arr(4, getattr(types, storage)), arr(3, types.float32)
     partitions = (
         arr(3), kv, kv, index, arr(2, index), arr(1, index), arr(1, index), scales, scales,
-        index, types.boolean, arr(2, index), arr(4), types.boolean, real, index, index, index,
-        arr(3), arr(3), arr(4),
+        index, types.boolean, arr(2, index), NO_FUNCTIONS_TYPE, arr(4), types.boolean, real,
+        index, index, index, arr(3), arr(3), arr(4),
     )
     ptx_compiler(internals.decode_partitions_cuda, partitions)
     reduce = (arr(3), arr(3), arr(4), arr(1), types.boolean, arr(3), arr(2))

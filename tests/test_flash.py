@@ -661,6 +661,7 @@ def test_validation(case, error, match):
 
 def test_visible_span_matches_mask_visible():
     """The per-row run of visible keys used on partial tiles agrees with the mask program."""
+    from numattn.core.functions import kernel_functions
     from numattn.core.jit import cpu_jit
     from numattn.core.masks import OP_OR, compile_mask
     from numattn.kernels.shared.masks import mask_visible
@@ -668,6 +669,7 @@ def test_visible_span_matches_mask_visible():
 
     span = cpu_jit(_visible_span)
     visible = cpu_jit(mask_visible)
+    no_functions = kernel_functions(None, np.zeros(1, np.int64))
     masks = [NullMask(), CausalMask(), SlidingWindowCausalMask(3), ChunkedMask(4),
              ChunkedCausalMask(5), SlidingWindowCausalMask(6) & ChunkedMask(4) & CausalMask(),
              ChunkedCausalMask(3) | SlidingWindowCausalMask(2)]
@@ -676,7 +678,8 @@ def test_visible_span_matches_mask_visible():
         for q_idx in range(-3, 14):
             for k0, kw in ((0, 9), (4, 5), (11, 3)):
                 jlo, jhi, exact = span(program, q_idx, k0, kw)
-                want = [bool(visible(program, q_idx, k0 + j)) for j in range(kw)]
+                want = [bool(visible(program, no_functions, 0, 0, q_idx, k0 + j))
+                        for j in range(kw)]
                 if exact:
                     assert want == [jlo <= j < jhi for j in range(kw)], (mask, q_idx, k0)
                 else:  # only programs with '|' fall back to testing each key

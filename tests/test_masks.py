@@ -16,6 +16,7 @@ import pytest
 
 import numattn
 from numattn.core import masks as M
+from numattn.core.functions import kernel_functions
 from numattn.core.jit import cpu_jit
 from numattn.kernels.shared import masks as KM
 
@@ -46,6 +47,8 @@ ALL_MASKS = LEAVES + COMPOSED
 mask_visible = KM.mask_visible
 mask_tile_status = KM.mask_tile_status
 visible_span = KM.visible_span
+#: The kernels' ``functions`` argument of masks without a FunctionMask.
+NO_FUNCTIONS = kernel_functions(None, np.zeros(1, np.int64))
 
 
 # -- every registered leaf against brute force ------------------------------------------
@@ -73,15 +76,16 @@ def _registered_leaf_examples():
     return [mask for cls in M.LEAF_TYPES for mask in leaf_examples(cls)]
 
 
-def _grid_visible(program, q_pos, k_pos, out):
+def _grid_visible(program, functions, q_pos, k_pos, out):
     for i in range(q_pos.shape[0]):
         for j in range(k_pos.shape[0]):
-            out[i, j] = mask_visible(program, q_pos[i], k_pos[j])
+            out[i, j] = mask_visible(program, functions, 0, 0, q_pos[i], k_pos[j])
 
 
-def _tile_statuses(program, tiles, out):
+def _tile_statuses(program, functions, tiles, out):
     for t in range(tiles.shape[0]):
-        out[t] = mask_tile_status(program, tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3])
+        out[t] = mask_tile_status(program, functions, 0, tiles[t, 0], tiles[t, 1], tiles[t, 2],
+                                  tiles[t, 3])
 
 
 def _spans(program, q_pos, windows, out):
@@ -158,12 +162,12 @@ def check_leaf(mask):
     program, _ = M.compile_mask(mask)
     # the compiled pair test
     got = np.zeros(truth.shape, np.bool_)
-    cpu_jit(_grid_visible)(program, GRID_Q, GRID_K, got)
+    cpu_jit(_grid_visible)(program, NO_FUNCTIONS, GRID_Q, GRID_K, got)
     assert np.array_equal(got, truth), mask
     # the compiled tile status of every tile: sound, and exact for an exact leaf_tile
     index, tiles = _all_tiles()
     status = np.zeros(len(tiles), np.int64)
-    cpu_jit(_tile_statuses)(program, tiles, status)
+    cpu_jit(_tile_statuses)(program, NO_FUNCTIONS, tiles, status)
     visible, pairs = _tile_counts(truth, index)
     exact = np.where(visible == 0, M.TILE_FULL,
                      np.where(visible == pairs, M.TILE_NONE, M.TILE_PARTIAL))
@@ -226,11 +230,11 @@ def test_program_positions_shift_what_every_leaf_sees(mask, positions):
     k_global = [int(k) + k_offset for k in GRID_K]
     truth = np.array([[bool(mask.visible(q, k)) for k in k_global] for q in q_global])
     got = np.zeros(truth.shape, np.bool_)
-    cpu_jit(_grid_visible)(program, GRID_Q, GRID_K, got)
+    cpu_jit(_grid_visible)(program, NO_FUNCTIONS, GRID_Q, GRID_K, got)
     assert np.array_equal(got, truth), (mask, positions)
     index, tiles = _all_tiles()
     status = np.zeros(len(tiles), np.int64)
-    cpu_jit(_tile_statuses)(program, tiles, status)
+    cpu_jit(_tile_statuses)(program, NO_FUNCTIONS, tiles, status)
     visible, pairs = _tile_counts(truth, index)
     assert not np.any((visible > 0) & (status == M.TILE_FULL)), (mask, positions)
     assert not np.any((visible < pairs) & (status == M.TILE_NONE)), (mask, positions)
@@ -348,7 +352,7 @@ def test_visible_body_matches_dataclass(mask, rng):
     q = rng.integers(-10, 60, 300)
     k = rng.integers(-10, 60, 300)
     expected = mask.visible(q, k)
-    got = [KM.mask_visible(program, int(a), int(b)) for a, b in zip(q, k)]
+    got = [KM.mask_visible(program, NO_FUNCTIONS, 0, 0, int(a), int(b)) for a, b in zip(q, k)]
     assert got == expected.tolist()
 
 
@@ -356,7 +360,7 @@ def test_visible_body_matches_dataclass(mask, rng):
 def test_tile_status_is_sound(mask, rng):
     program, _ = M.compile_mask(mask)
     for q0, q1, k0, k1 in _random_tiles(rng, 300):
-        status = KM.mask_tile_status(program, q0, q1, k0, k1)
+        status = KM.mask_tile_status(program, NO_FUNCTIONS, 0, q0, q1, k0, k1)
         assert status in _brute_status(mask, q0, q1, k0, k1), (mask, q0, q1, k0, k1, status)
 
 
@@ -373,14 +377,15 @@ def test_leaf_tile_status_is_exact(mask, rng):
     for q0, q1, k0, k1 in _random_tiles(rng, 400):
         vis = mask.visible(np.arange(q0, q1 + 1)[:, None], np.arange(k0, k1 + 1)[None, :])
         expected = M.TILE_NONE if vis.all() else M.TILE_FULL if not vis.any() else M.TILE_PARTIAL
-        assert KM.mask_tile_status(program, q0, q1, k0, k1) == expected, (mask, q0, q1, k0, k1)
+        got = KM.mask_tile_status(program, NO_FUNCTIONS, 0, q0, q1, k0, k1)
+        assert got == expected, (mask, q0, q1, k0, k1)
 
 
-def _grid_kernel(program, q0, k0, vis_out, status_out):
+def _grid_kernel(program, functions, q0, k0, vis_out, status_out):
     for i in range(vis_out.shape[0]):
         for j in range(vis_out.shape[1]):
-            vis_out[i, j] = mask_visible(program, q0 + i, k0 + j)
-    status_out[0] = mask_tile_status(program, q0, q0 + vis_out.shape[0] - 1, k0,
+            vis_out[i, j] = mask_visible(program, functions, 0, 0, q0 + i, k0 + j)
+    status_out[0] = mask_tile_status(program, functions, 0, q0, q0 + vis_out.shape[0] - 1, k0,
                                      k0 + vis_out.shape[1] - 1)
 
 
@@ -391,18 +396,19 @@ def test_compiled_cpu_bodies_agree(rng):
         for q0, q1, k0, k1 in _random_tiles(rng, 20):
             vis = np.zeros((q1 - q0 + 1, k1 - k0 + 1), dtype=np.bool_)
             status = np.zeros(1, dtype=np.int64)
-            kernel(program, q0, k0, vis, status)
+            kernel(program, NO_FUNCTIONS, q0, k0, vis, status)
             expected = mask.visible(np.arange(q0, q1 + 1)[:, None], np.arange(k0, k1 + 1)[None, :])
             assert np.array_equal(vis, expected)
-            assert status[0] == KM.mask_tile_status(program, q0, q1, k0, k1)
+            assert status[0] == KM.mask_tile_status(program, NO_FUNCTIONS, 0, q0, q1, k0, k1)
 
 
-def _grid_cuda_kernel(program, q0, k0, vis_out, status_out, span_out):
+def _grid_cuda_kernel(program, functions, q0, k0, vis_out, status_out, span_out):
     i, j = cuda.grid(2)  # noqa: F821 - bound by cuda_kernel
     if i < vis_out.shape[0] and j < vis_out.shape[1]:
-        vis_out[i, j] = 1 if mask_visible(program, q0 + i, k0 + j) else 0
+        vis_out[i, j] = 1 if mask_visible(program, functions, 0, 0, q0 + i, k0 + j) else 0
         if i == 0 and j == 0:
-            status_out[0] = mask_tile_status(program, q0, q0 + vis_out.shape[0] - 1, k0,
+            status_out[0] = mask_tile_status(program, functions, 0, q0,
+                                             q0 + vis_out.shape[0] - 1, k0,
                                              k0 + vis_out.shape[1] - 1)
         if j == 0:
             jlo, jhi, is_span = visible_span(program, q0 + i, k0, vis_out.shape[1])
@@ -424,20 +430,22 @@ def test_cuda_bodies_agree():
         vis = np.zeros((6, 7), dtype=np.int64)
         status = np.zeros(1, dtype=np.int64)
         spans = np.zeros((6, 3), dtype=np.int64)
-        kernel[(1, 1), (8, 8)](program, q0, k0, vis, status, spans)
+        kernel[(1, 1), (8, 8)](program, NO_FUNCTIONS, q0, k0, vis, status, spans)
         expected = mask.visible(np.arange(q0, q0 + 6)[:, None], np.arange(k0, k0 + 7)[None, :])
         assert np.array_equal(vis.astype(bool), expected), mask
-        assert status[0] == KM.mask_tile_status(program, q0, q0 + 5, k0, k0 + 6), mask
+        assert status[0] == KM.mask_tile_status(program, NO_FUNCTIONS, 0, q0, q0 + 5, k0,
+                                                k0 + 6), mask
         for i in range(6):
             assert tuple(spans[i]) == KM.visible_span(program, q0 + i, k0, 7), mask
 
 
 def test_mask_bodies_compile_to_ptx(ptx_compiler):
     """The generated dispatchers and every leaf's bodies compile for a GPU."""
+    import numba
     from numba import types
 
-    sig = (types.int64[:, :], types.int64, types.int64, types.int64[:, :], types.int64[:],
-           types.int64[:, :])
+    sig = (types.int64[:, :], numba.typeof(NO_FUNCTIONS), types.int64, types.int64,
+           types.int64[:, :], types.int64[:], types.int64[:, :])
     ptx = ptx_compiler(_grid_cuda_kernel, sig)
     assert "mask_visible" in ptx or ".func" in ptx
 
@@ -521,7 +529,7 @@ def test_long_chains_evaluate_however_nested(nesting, rng):
     kernel = cpu_jit(_grid_kernel)
     vis = np.zeros((40, 40), dtype=np.bool_)
     status = np.zeros(1, dtype=np.int64)
-    kernel(program, 0, 0, vis, status)
+    kernel(program, NO_FUNCTIONS, 0, 0, vis, status)
     assert np.array_equal(vis, mask.visible(np.arange(40)[:, None], np.arange(40)[None, :]))
     assert status[0] == M.TILE_PARTIAL
 

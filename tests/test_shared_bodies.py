@@ -15,7 +15,9 @@ import pytest
 
 import numattn.kernels.shared as shared
 from numattn.core import jit as _jit
+from numattn.core.functions import kernel_functions
 from numattn.core.masks import (
+    OP_FUNCTION,
     TILE_FULL,
     TILE_NONE,
     TILE_PARTIAL,
@@ -147,12 +149,49 @@ def _leaf_positions_samples(rng, f):
             for q, k in _positions(rng, 2)]
 
 
+#: The kernels' ``functions`` tuple without functions, and one with a FunctionMask's tile
+#: table (one function, two sequences, 3 x 4 blocks).
+NO_FUNCTIONS = kernel_functions(None, np.array([0, 5]))
+
+
+def _with_table(rng):
+    table = rng.integers(0, 4, (1, 2, 3, 4)).astype(np.uint8)
+    return (table, np.array([0, 5]), False, False, np.int64(0), np.int64(0), np.int64(0))
+
+
 def _visible_samples(rng, f):
-    return [(p, q, k) for p in _programs() for q, k in _positions(rng, 6)]
+    return [(p, NO_FUNCTIONS, 1, 2, q, k) for p in _programs() for q, k in _positions(rng, 6)]
 
 
 def _tile_status_samples(rng, f):
-    return [(p, *r) for p in _programs() for r in _ranges(rng, 6)]
+    return [(p, NO_FUNCTIONS, 1, *r) for p in _programs() for r in _ranges(rng, 6)]
+
+
+def _function_visible_samples(rng, f):
+    return [(0, NO_FUNCTIONS, b, h, q, k) for b, h in [(0, 0), (1, 3)]
+            for q, k in _positions(rng, 3)]
+
+
+def _function_tile_samples(rng, f):
+    return [(functions, 0, b, q0 + 5 * b, q1 + 5 * b, k0, k1)
+            for functions in (NO_FUNCTIONS, _with_table(rng)) for b in (0, 1)
+            for q0, q1, k0, k1 in [(0, 0, 0, 0), (0, 40, 0, 60), (17, 33, 20, 40),
+                                   (3, 9, 50, 70)]]
+
+
+def _function_block_samples(rng, f):
+    program = np.array([[OP_FUNCTION, 0]])
+    return [(program, 0, _with_table(rng), b, q0, q1, k0, k1, heads)
+            for b in (0, 1) for heads in (1, 3)
+            for q0, q1, k0, k1 in [(0, 16, 0, 16), (5, 5, 0, 16), (2, 9, 4, 4), (3, 4, 7, 9)]]
+
+
+def _score_samples(rng, f):
+    return [(NO_FUNCTIONS, s, 1, 2, 9, 4) for s in (*_scalars(rng, f, 3), f(-INF), f(NAN))]
+
+
+def _score_mod_samples(rng, f):
+    return [(NO_FUNCTIONS, s, 0, 1, 9, 4) for s in (*_scalars(rng, f, 3), f(-INF), f(NAN))]
 
 
 def _span_samples(rng, f):
@@ -177,7 +216,7 @@ def _key_bias_samples(rng, f):
 
 
 def _key_hidden_samples(rng, f):
-    return [(p, status, q, has_additive, _additive(rng, f), 1, 2, t)
+    return [(p, NO_FUNCTIONS, status, q, has_additive, _additive(rng, f), 1, 2, t)
             for p in _programs()[:4] for status in (TILE_NONE, TILE_PARTIAL, TILE_FULL)
             for has_additive in (True, False) for q, t in [(5, 3), (5, 6), (9, 11)]]
 
@@ -246,6 +285,11 @@ SAMPLES = {
     "masks.add_bias": (True, _add_bias_samples),
     "masks.key_bias": (True, _key_bias_samples),
     "masks.key_hidden": (True, _key_hidden_samples),
+    "masks._function_visible": (False, _function_visible_samples),
+    "masks.function_tile": (False, _function_tile_samples),
+    "masks.function_block": (False, _function_block_samples),
+    "scores.modified_score": (True, _score_samples),
+    "scores._score_mod": (True, _score_mod_samples),
     "paging.kv_page_slot": (False, _page_slot_samples),
     "partitions.partition_bounds": (False, _partition_samples),
     "storage.minifloat": (True, _minifloat_samples),

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from numattn.integrations.transformers import (  # noqa: E402
     NumattnCache,
+    _softcap_mod,
     numattn_attention,
     numattn_mask,
     register,
@@ -32,6 +33,8 @@ register()
 RTOL = 1e-4
 #: Prompt length; every sliding window below is shorter.
 PROMPT = 12
+#: Gemma-2's attn_logit_softcapping in the tests (the models' default is 50).
+SOFTCAP = 2.0
 
 
 def _small(**extra):
@@ -52,6 +55,10 @@ FAMILIES = {
     # sinks (s_aux) on every layer, sliding and full layers alternating
     "gpt_oss": lambda: transformers.GptOssConfig(**_small(
         intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)),
+    # logit soft-capping on every layer (a cap these scores reach), layer 0 a sliding window
+    # and layer 1 full attention
+    "gemma2": lambda: transformers.Gemma2Config(**_small(
+        sliding_window=4, attn_logit_softcapping=SOFTCAP, query_pre_attn_scalar=16)),
 }
 
 
@@ -216,9 +223,10 @@ def test_numattn_cache_pool_grows_page_by_page_and_keeps_its_rows(rng):
 # the attention function against a float64 reference
 
 
-def reference_attention(q, k, v, real, scale, window, sinks):
+def reference_attention(q, k, v, real, scale, window, sinks, softcap=None):
     """float64 attention of ``q`` [B, H, S, D] over ``k``, ``v`` [B, Hkv, N, D]: query row
-    ``r`` at position ``N - S + r``, keys hidden where ``real`` is false, causal, windowed."""
+    ``r`` at position ``N - S + r``, keys hidden where ``real`` is false, causal, windowed,
+    scores soft-capped at ``softcap``."""
     q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
     b, h, s, d = q.shape
     n, group = k.shape[2], h // k.shape[1]
@@ -234,6 +242,8 @@ def reference_attention(q, k, v, real, scale, window, sinks):
                 if not real[bi, i] or not seen.any():
                     continue
                 scores = scale * k[bi, hi // group, seen] @ q[bi, hi, r]
+                if softcap is not None:
+                    scores = softcap * np.tanh(scores / softcap)
                 top = scores.max() if sinks is None else max(scores.max(), sinks[hi])
                 w = np.exp(scores - top)
                 den = w.sum() + (0.0 if sinks is None else np.exp(sinks[hi] - top))
@@ -262,6 +272,51 @@ def test_attention_function_matches_reference(rng, window, with_sinks, dtype):
     np.testing.assert_allclose(out.numpy(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_function_soft_caps_the_scores(rng, window):
+    """``softcap`` as numattn.softcap on the dense paths: padded and ragged rows (no window)
+    and the additive mask of a hole inside a windowed sequence; one score modifier per cap."""
+    b, h, hkv, s, n, d = 3, 4, 2, 5, 9, 16
+    q, k, v = (torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+               for shape in ((b, h, s, d), (b, hkv, n, d), (b, hkv, n, d)))
+    real = np.ones((b, n), dtype=bool)
+    real[0, :3] = False
+    real[2, 4] = False
+    sinks = rng.standard_normal(h).astype(np.float32)
+    for mask in (None, real):
+        out, _ = numattn_attention(
+            torch.nn.Module(), 3 * q, k, v, None if mask is None else torch.from_numpy(mask),
+            scaling=0.3, sliding_window=window, softcap=SOFTCAP, s_aux=torch.from_numpy(sinks))
+        expected = reference_attention(3 * q, k, v, np.ones_like(real) if mask is None else mask,
+                                       0.3, window, sinks, SOFTCAP)
+        np.testing.assert_allclose(out.numpy(), expected, rtol=2e-5, atol=2e-5)
+    assert _softcap_mod(SOFTCAP) is _softcap_mod(SOFTCAP)
+    with pytest.raises(ValueError, match="cap must be finite and > 0"):
+        numattn_attention(torch.nn.Module(), q, k, v, None, softcap=0.0)
+
+
+def test_gemma2_soft_capping_is_applied_with_one_score_modifier(rng):
+    """The cap of the Gemma-2 tests changes the logits far beyond the tolerance (so the
+    family's tests see it), and a model's calls reuse one score modifier."""
+    eager, ours = pair("gemma2")
+    x = ids(rng, 2, PROMPT)
+    with torch.no_grad():
+        capped = eager(x).logits
+        for layer in eager.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        try:
+            uncapped = eager(x).logits
+        finally:
+            for layer in eager.model.layers:
+                layer.self_attn.attn_logit_softcapping = SOFTCAP
+        assert (capped - uncapped).abs().max() > 100 * RTOL * capped.abs().max()
+        ours(x)
+        before = _softcap_mod.cache_info()
+        ours(x)
+        after = _softcap_mod.cache_info()
+    assert after.misses == before.misses and after.hits > before.hits
+
+
 def test_attention_function_reads_a_4d_mask_as_additive(rng):
     b, h, hkv, s, n, d = 2, 4, 2, 3, 6, 8
     q, k, v = (torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
@@ -283,19 +338,12 @@ def test_attention_function_reads_a_4d_mask_as_additive(rng):
 # what numattn refuses
 
 
-def test_softcap_is_refused():
-    config = transformers.Gemma2Config(**_small(attn_logit_softcapping=50.0,
-                                                query_pre_attn_scalar=16))
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="numattn")
-    with torch.no_grad(), pytest.raises(ValueError, match="softcap"):
-        model(torch.ones(1, 4, dtype=torch.long))
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_16_bit_models_run_with_16_bit_caches(dtype):
+@pytest.mark.parametrize("family, dtype", [("gpt_oss", "bfloat16"), ("gpt_oss", "float16"),
+                                           ("gemma2", "bfloat16")])
+def test_16_bit_models_run_with_16_bit_caches(family, dtype):
     """A 16-bit model: its K/V stay 16-bit in the cache (read as stored, computed in float32),
     logits as close to eager attention's as 16-bit rounding allows, and generation runs."""
-    eager, ours = pair("gpt_oss")
+    eager, ours = pair(family)
     eager, ours = eager.to(getattr(torch, dtype)), ours.to(getattr(torch, dtype))
     ids = torch.randint(0, 128, (2, PROMPT), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

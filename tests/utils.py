@@ -108,3 +108,13 @@ def make_kv(rng, kind, cache_lengths, kv_lens, num_kv_heads, head_dim, dtype, *,
     cls = numattn.PagedKVCache if kind == "paged" else numattn.ContinuousBatchingKVCache
     lengths = cache_lengths.copy()
     return cls(kb, lengths, table), cls(vb, lengths, table)
+
+
+def no_functions_type():
+    """The Numba type of the kernels' ``functions`` argument without user functions (for
+    the CUDA kernels' PTX signatures)."""
+    import numba
+
+    from numattn.core.functions import kernel_functions
+
+    return numba.typeof(kernel_functions(None, np.zeros(1, np.int64)))

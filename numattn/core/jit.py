@@ -91,13 +91,54 @@ def body(func):
     return func
 
 
-def _rebind(func, target):
-    """A copy of ``func`` whose globals name the ``target`` bindings of the bodies it calls."""
+class Specialization:
+    """Bodies that replace others of the same name in a copy of the kernels: how functions
+    written by users (:class:`numattn.masks.FunctionMask`, :class:`numattn.ScoreMod`) are
+    compiled into every kernel.
+
+    ``overrides`` maps a global name that shared bodies call (``_function_visible``,
+    ``_score_mod``) to the body that replaces it; ``digest`` names the copy (and its disk
+    cache entries).  A kernel bound with a specialization rebinds only the bodies that reach
+    one of the names: the others are shared with the plain kernels.
+    """
+
+    def __init__(self, overrides, digest):
+        self.overrides = dict(overrides)
+        self.names = frozenset(self.overrides)
+        self.digest = digest
+
+    def __repr__(self):
+        return f"Specialization({sorted(self.names)}, {self.digest})"
+
+
+@functools.cache
+def _reaches(func, names):
+    """Whether ``func`` or a body it calls (transitively) reads one of ``names``."""
+    code_names = func.__code__.co_names
+    if names.intersection(code_names):
+        return True
+    scope = func.__globals__
+    return any(
+        getattr(scope.get(name), "_numattn_body", False) and scope[name] is not func
+        and _reaches(scope[name], names) for name in code_names
+    )
+
+
+def _rebind(func, target, special=None):
+    """A copy of ``func`` whose globals name the ``target`` bindings of the bodies it calls
+    (specialized by ``special``, a :class:`Specialization`, where they reach its names)."""
     scope = dict(func.__globals__)
+    bind = cpu_jit if target == "cpu" else cuda_device
     for name in func.__code__.co_names:
+        if special is not None and name in special.names:
+            scope[name] = bind(special.overrides[name])
+            continue
         callee = scope.get(name)
         if getattr(callee, "_numattn_body", False):
-            scope[name] = cpu_jit(callee) if target == "cpu" else cuda_device(callee)
+            if special is not None and _reaches(callee, special.names):
+                scope[name] = bind(callee, special=special)
+            else:
+                scope[name] = bind(callee)
     if target == "cpu" and "prange" in func.__code__.co_names:
         import numba
 
@@ -129,19 +170,24 @@ def before_cpu_compile(hook):
 
 
 @functools.cache
-def _cpu_jit(func, parallel):
+def _cpu_jit(func, parallel, special=None):
     import numba
 
     watch_compiles("cpu")
     for hook in _BEFORE_CPU_COMPILE:  # e.g. the explicit-vector functions bodies call
         hook()
-    clone = _rebind(func, "cpu")
+    clone = _rebind(func, "cpu", special)
+    if special is not None:
+        clone.__qualname__ += "_" + special.digest
     if not parallel:
         # Numba's on-disk cache names its files after the function and keys them by
         # argument types only, not by ``parallel``: without a name of its own, a serial
         # binding cached first would be loaded for the parallel one in later processes.
         clone.__qualname__ += "_serial"
     clone.__qualname__ += "_" + source_digest()
+    if getattr(func, "_numattn_uncached", False):  # a user's function: cached in its callers
+        clone._numattn_uncached = True  # and not announced as numattn's compile
+        return numba.njit(parallel=parallel, **{**CPU_OPTS, "cache": False})(clone)
     try:
         return numba.njit(parallel=parallel, **CPU_OPTS)(clone)
     except RuntimeError as exc:  # Numba found no writable directory for the cache
@@ -246,6 +292,8 @@ def watch_compiles(target):
 
         def source(data):  # (module, name, argument types) of what is being compiled
             func = data["dispatcher"].py_func
+            if getattr(func, "_numattn_uncached", False):  # a user's function alone
+                return "", func.__name__, data["args"]
             return func.__module__, func.__name__, data["args"]
 
         kind = "numba:compile"
@@ -281,22 +329,23 @@ def watch_compiles(target):
     event.register(kind, _Announce())
 
 
-def cpu_jit(func=None, *, parallel=False):
-    """Compile ``func`` for the CPU with :data:`CPU_OPTS` (lazily, at its first call).
+def cpu_jit(func=None, *, parallel=False, special=None):
+    """Compile ``func`` for the CPU with :data:`CPU_OPTS` (lazily, at its first call),
+    specialized by ``special`` (a :class:`Specialization`) if given.
 
     A ``parallel=True`` binding comes as a :class:`ParallelBinding`, which calls the Numba
     dispatcher (its attributes are the dispatcher's).
     """
     if func is None:
-        return functools.partial(cpu_jit, parallel=parallel)
+        return functools.partial(cpu_jit, parallel=parallel, special=special)
     if parallel:
-        return _parallel_binding(func)
-    return _cpu_jit(func, False)
+        return _parallel_binding(func, special)
+    return _cpu_jit(func, False, special)
 
 
 @functools.cache
-def _parallel_binding(func):
-    return ParallelBinding(func, _cpu_jit(func, True))
+def _parallel_binding(func, special=None):
+    return ParallelBinding(func, _cpu_jit(func, True, special), special)
 
 
 _LAUNCH_LOCK = threading.Lock()
@@ -325,15 +374,16 @@ class ParallelBinding:
     own that runs beside numattn's is beyond this guard.
     """
 
-    def __init__(self, func, dispatcher):
+    def __init__(self, func, dispatcher, special=None):
         self._func = func
         self._dispatcher = dispatcher
+        self._special = special
 
     def __call__(self, *args):
         if not _one_launch_at_a_time():
             return self._dispatcher(*args)
         if not _LAUNCH_LOCK.acquire(blocking=False):
-            return _cpu_jit(self._func, False)(*args)
+            return _cpu_jit(self._func, False, self._special)(*args)
         try:
             return self._dispatcher(*args)
         finally:
@@ -344,23 +394,23 @@ class ParallelBinding:
 
 
 @functools.cache
-def cuda_device(func):
+def cuda_device(func, special=None):
     """The CUDA device-function binding of a body (imports ``numba.cuda`` lazily)."""
     from .device import get_cuda
 
     watch_compiles("cuda")
-    return get_cuda().jit(device=True)(_rebind(func, "cuda"))
+    return get_cuda().jit(device=True)(_rebind(func, "cuda", special))
 
 
 @functools.cache
-def cuda_kernel(func):
+def cuda_kernel(func, special=None):
     """The CUDA kernel binding of a plain kernel function (lazy, compiled at first launch)."""
     from .device import get_cuda
 
     watch_compiles("cuda")
-    return get_cuda().jit(_rebind(func, "cuda"))
+    return get_cuda().jit(_rebind(func, "cuda", special))
 
 
-def cuda_source(func):
+def cuda_source(func, special=None):
     """The plain function as :func:`cuda_kernel` compiles it (for ``cuda.compile_ptx``)."""
-    return _rebind(func, "cuda")
+    return _rebind(func, "cuda", special)

@@ -44,6 +44,7 @@ __all__ = [
     "CausalMask",
     "ChunkedCausalMask",
     "ChunkedMask",
+    "FunctionMask",
     "LeafMask",
     "Mask",
     "MaterializedMask",
@@ -54,9 +55,11 @@ __all__ = [
     "register_leaf",
 ]
 
-# Opcodes of the two combinators; a leaf's opcode is its index in LEAF_TYPES (>= 0).
+# Opcodes of the two combinators and of a FunctionMask leaf (its parameter: which of the
+# mask's functions); a registered leaf's opcode is its index in LEAF_TYPES (>= 0).
 OP_AND = -1
 OP_OR = -2
+OP_FUNCTION = -3
 
 # Tile status.
 TILE_NONE = 0  # nothing hidden
@@ -85,8 +88,9 @@ class Mask:
         _check_mask_operand(other, "|")
         return OrMask(self, other)
 
-    def visible(self, q_idx, k_idx):  # pragma: no cover - overridden
-        """Boolean visibility of positions ``q_idx`` and ``k_idx`` (NumPy broadcasting)."""
+    def visible(self, q_idx, k_idx, *, b=0, h=0):  # pragma: no cover - overridden
+        """Boolean visibility of positions ``q_idx`` and ``k_idx`` (NumPy broadcasting) for
+        query head ``h`` of sequence ``b`` (which only a :class:`FunctionMask` reads)."""
         raise NotImplementedError
 
     def _program(self):  # pragma: no cover - overridden
@@ -168,7 +172,7 @@ class LeafMask(Mask):
         ``INT64_MAX`` for an open end), exactly the keys ``leaf_visible`` shows."""
         raise NotImplementedError
 
-    def visible(self, q_idx, k_idx):
+    def visible(self, q_idx, k_idx, *, b=0, h=0):
         """Boolean visibility of positions ``q_idx`` and ``k_idx`` (NumPy broadcasting)."""
         q = np.asarray(q_idx)
         k = np.asarray(k_idx)
@@ -464,6 +468,66 @@ class ChunkedCausalMask(LeafMask):
         return (q_idx // chunk) * chunk, q_idx + 1
 
 
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
+class FunctionMask(Mask):
+    """Key ``kv_idx`` is visible from query ``q_idx`` iff ``fn(b, h, q_idx, kv_idx, *captures)``.
+
+    ``fn`` is a plain Python function that Numba compiles into the kernels, for the CPU and
+    for CUDA, from the same source: integer and float arithmetic, comparisons, ``math``,
+    indexing of the captured arrays (no Python objects).  ``b`` is the sequence, ``h`` the
+    query head, ``q_idx`` and ``kv_idx`` the positions of the section "Positions and masks"
+    of the API.  ``captures`` (NumPy arrays and numbers; device arrays for CUDA calls) are
+    handed to ``fn`` at each call: new values compile nothing, a new function (or new
+    capture types) compiles the kernels once per process, and they are cached on disk.
+    Indexing is not bounds-checked: the captures must cover every position ``fn`` is asked
+    about (``fn`` only sees the queries and keys of the call).  Combine with ``&`` and ``|``
+    like every mask.
+
+    Whole tiles that ``fn`` hides are skipped and whole visible ones need no test per pair:
+    the tile status is found by evaluating ``fn`` over every pair of the call once, shared
+    by all heads when ``fn`` does not read ``h``.
+
+    Parameters
+    ----------
+    fn : function
+        ``fn(b, h, q_idx, kv_idx, *captures) -> bool``.
+    *captures : ndarray or number
+        Passed to ``fn`` after the positions.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numattn import CausalMask, FunctionMask
+    >>> def same_document(b, h, q_idx, kv_idx, doc_ids):
+    ...     return doc_ids[q_idx] == doc_ids[kv_idx]
+    >>> mask = CausalMask() & FunctionMask(same_document, np.array([0, 0, 1, 1, 1]))
+    >>> mask.visible(3, [0, 1, 2, 3, 4]).tolist()
+    [False, False, True, True, False]
+    """
+
+    fn: object
+    captures: tuple
+
+    def __init__(self, fn, *captures):
+        if not callable(fn) or not hasattr(fn, "__code__"):
+            raise TypeError(
+                f"FunctionMask expects a plain Python function, got {type(fn).__name__}"
+            )
+        object.__setattr__(self, "fn", fn)
+        object.__setattr__(self, "captures", tuple(captures))
+
+    def visible(self, q_idx, k_idx, *, b=0, h=0):
+        """``fn`` evaluated in Python for each pair (NumPy broadcasting)."""
+        q, k = np.broadcast_arrays(np.asarray(q_idx), np.asarray(k_idx))
+        shown = np.empty(q.shape, dtype=bool)
+        for index in np.ndindex(q.shape):
+            shown[index] = bool(self.fn(b, h, int(q[index]), int(k[index]), *self.captures))
+        return shown
+
+    def _program(self):
+        return [(OP_FUNCTION, 0, self)]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class MaterializedMask(Mask):
     """An additive mask tensor: scores become ``s + tensor[b, (h,) r, k_idx]``.
@@ -502,7 +566,7 @@ class MaterializedMask(Mask):
             )
 
     # In the program, an always-visible leaf; its tensor goes to the kernels beside it.
-    def visible(self, q_idx, k_idx):
+    def visible(self, q_idx, k_idx, *, b=0, h=0):
         return NullMask().visible(q_idx, k_idx)
 
     def _program(self):
@@ -528,8 +592,9 @@ class AndMask(Mask):
     left: Mask
     right: Mask
 
-    def visible(self, q_idx, k_idx):
-        return self.left.visible(q_idx, k_idx) & self.right.visible(q_idx, k_idx)
+    def visible(self, q_idx, k_idx, *, b=0, h=0):
+        return (self.left.visible(q_idx, k_idx, b=b, h=h)
+                & self.right.visible(q_idx, k_idx, b=b, h=h))
 
     def _program(self):
         return _binary_program(self.left, self.right, OP_AND)
@@ -555,8 +620,9 @@ class OrMask(Mask):
     left: Mask
     right: Mask
 
-    def visible(self, q_idx, k_idx):
-        return self.left.visible(q_idx, k_idx) | self.right.visible(q_idx, k_idx)
+    def visible(self, q_idx, k_idx, *, b=0, h=0):
+        return (self.left.visible(q_idx, k_idx, b=b, h=h)
+                | self.right.visible(q_idx, k_idx, b=b, h=h))
 
     def _program(self):
         return _binary_program(self.left, self.right, OP_OR)
@@ -579,7 +645,7 @@ def _materialized_leaves(mask, under_or=False):
 def _program_depth(program):
     """The most operands a postfix program keeps on the evaluation stack at once."""
     depth = best = 0
-    for op, _ in program:
+    for op, *_ in program:
         depth = depth - 1 if op in (OP_AND, OP_OR) else depth + 1
         best = max(best, depth)
     return best
@@ -646,6 +712,14 @@ def compile_mask(mask, name="mask", *, positions=None):
     ([[1, 0], [2, 8], [-1, 0]], None)
     """
     mask = as_mask(mask, name)
+    program, leaf = _compiled(mask, name)[:2]
+    if positions is not None:
+        program = _shifted_program(program, positions)
+    return program, (None if leaf is None else leaf.tensor)
+
+
+def _compiled(mask, name="mask"):
+    """``(program, materialized leaf or None, function leaves)`` of ``mask``, kept on it."""
     # Masks are immutable: the program is built once per mask object and kept on it (shared
     # by every call: the kernels only read it), which saves building it at every call; a
     # leaf mask made afresh for each call (``CausalMask()``) finds the program of an equal
@@ -653,19 +727,32 @@ def compile_mask(mask, name="mask", *, positions=None):
     compiled = mask.__dict__.get("_compiled")
     if compiled is None:
         if type(mask) in LEAF_TYPES:
-            compiled = (_leaf_program(mask), None)
+            compiled = (_leaf_program(mask), None, ())
         else:
             leaves = _materialized_leaves(mask)
             if len(leaves) > 1:
                 raise ValueError(
                     f"{name} may hold at most one MaterializedMask, found {len(leaves)}"
                 )
-            compiled = (_program_array(mask), leaves[0] if leaves else None)
+            rows = mask._program()
+            # a FunctionMask's row names itself: its parameter becomes its index among the
+            # program's functions, in program order
+            functions = tuple(row[2] for row in rows if row[0] == OP_FUNCTION)
+            numbered = []
+            for row in rows:
+                if row[0] == OP_FUNCTION:
+                    row = (OP_FUNCTION, functions.index(row[2]))
+                numbered.append(row)
+            program = np.asarray(numbered, dtype=np.int64).reshape(-1, 2)
+            compiled = (program, leaves[0] if leaves else None, functions)
         object.__setattr__(mask, "_compiled", compiled)
-    program, leaf = compiled
-    if positions is not None:
-        program = _shifted_program(program, positions)
-    return program, (None if leaf is None else leaf.tensor)
+    return compiled
+
+
+def mask_functions(mask):
+    """The :class:`FunctionMask` leaves of ``mask`` (a :class:`Mask`), in the order of the
+    indices its program gives them."""
+    return _compiled(mask)[2]
 
 
 def _shifted_program(program, positions):

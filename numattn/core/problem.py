@@ -26,8 +26,9 @@ import numpy as np
 from .config import MHAConfig, resolve_config
 from .device import is_device_array, require_cuda, resolve_device
 from .dtypes import Q_DTYPE_NAMES, compute_dtype, lse_dtype
+from .functions import bind_functions, kernel_functions
 from .kv_cache import KVCache, KVLayout, resolve_kv
-from .masks import additive_4d, compile_mask
+from .masks import additive_4d, as_mask, compile_mask, mask_functions
 from .validate import (
     check_array,
     check_heads,
@@ -95,6 +96,7 @@ class MaskArgs(NamedTuple):
     program: np.ndarray  # int64 [n_ops, 2]
     additive: object  # [Bm, Hm, Sm, N] view of the additive tensor, or a [1, 1, 1, 1] placeholder
     has_additive: bool
+    functions: tuple  # the user functions' captures and tile tables (core.functions)
 
 
 class SoftmaxArgs(NamedTuple):
@@ -138,6 +140,7 @@ class AttentionStep(NamedTuple):
     dtype: np.dtype  # the compute dtype (numattn.core.dtypes.compute_dtype)
     rules: OperationRules
     q_dtype: np.dtype  # the queries' (and the result's)
+    functions: object  # BoundFunctions of the mask's functions and score_mod, or None
 
 
 class AttentionProblem(NamedTuple):
@@ -160,6 +163,7 @@ class AttentionProblem(NamedTuple):
     device: str  # "cpu" or "cuda"
     result_dtype: np.dtype  # q's (the kernels compute in q.dtype, the compute dtype)
     final_out: object  # the caller's out of another dtype than the compute dtype, or None
+    functions: object  # BoundFunctions, or None: the kernels' specialization
 
     # The parts' fields by name, for the drivers.
     q = property(lambda self: self.queries.q)
@@ -173,6 +177,7 @@ class AttentionProblem(NamedTuple):
     sinks = property(lambda self: self.softmax.sinks)
     has_sink = property(lambda self: self.softmax.has_sink)
     max_keys = property(lambda self: self.layout.max_keys)
+    special = property(lambda self: None if self.functions is None else self.functions.special)
 
     @property
     def group(self):
@@ -185,7 +190,8 @@ class AttentionProblem(NamedTuple):
 # --------------------------------------------------------------------------------------
 def attention_problem(q, k, v, mask, scale, *, rules, q_offsets=None, kv_offsets=None,
                       q_max_seq_len=None, one_row=False, sink_weights=None, out=None,
-                      return_lse=False, config=None, device="cpu", positions=None):
+                      return_lse=False, config=None, device="cpu", positions=None,
+                      score_mod=None):
     """Check an attention call's arguments and normalise them into an :class:`AttentionProblem`.
 
     Parameters
@@ -204,10 +210,11 @@ def attention_problem(q, k, v, mask, scale, *, rules, q_offsets=None, kv_offsets
     q_max_seq_len : int or None
         Rows of the additive mask for ragged queries (at least the longest sequence's; by
         default that).
-    sink_weights, out, return_lse, config, device
+    sink_weights, out, return_lse, config, device, score_mod
         As the operations take them.
-    positions : (int, int), optional
-        Internal: the mask's ``(q_offset, k_offset)`` (:func:`~numattn.core.masks.compile_mask`).
+    positions : (int, int) or (int, int, int), optional
+        Internal: the mask's ``(q_offset, k_offset)`` (:func:`~numattn.core.masks.compile_mask`),
+        and the offset added to the sequence index that mask and score functions see.
 
     Returns
     -------
@@ -231,6 +238,12 @@ def attention_problem(q, k, v, mask, scale, *, rules, q_offsets=None, kv_offsets
     if kv_offsets is not None and not ragged:
         raise ValueError("kv_input_row_offsets needs ragged queries: pass "
                          "q_input_row_offsets with q of shape [T, H, D]")
+    mask = as_mask(mask)
+    offsets = (0, 0, 0)  # what score functions add to b, q_idx and k_idx
+    if isinstance(positions, tuple) and len(positions) == 3:
+        positions, offsets = positions[:2], (positions[2], *positions[:2])
+    elif positions is not None:
+        offsets = (0, *positions)
     program, tensor = compile_mask(mask, positions=positions)
     arrays = (q, k.blocks if isinstance(k, KVCache) else k,
               v.blocks if isinstance(v, KVCache) else v, out, tensor, sink_weights)
@@ -258,15 +271,20 @@ def attention_problem(q, k, v, mask, scale, *, rules, q_offsets=None, kv_offsets
         q_lens = np.full(batch, max_q_len, dtype=np.int64)
     step = attention_step(k, v, program, tensor, q_offsets=q_offsets, q_lens=q_lens,
                           max_q_len=max_q_len, kv_offsets=kv_offsets, ragged=ragged,
-                          dtype=dtype, num_heads=num_heads, config=config, rules=rules)
+                          dtype=dtype, num_heads=num_heads, config=config, rules=rules,
+                          mask_functions=mask_functions(mask), score_mod=score_mod,
+                          device=device, offsets=offsets)
     return layer_problem(step, q, step.layout, scale, sink_weights, out, return_lse, device)
 
 
 def attention_step(k, v, program, tensor, *, q_offsets, q_lens, max_q_len, kv_offsets, ragged,
-                   dtype, num_heads, config, rules):
+                   dtype, num_heads, config, rules, mask_functions=(), score_mod=None,
+                   device="cpu", offsets=(0, 0, 0)):
     """The part of a problem that a step's row offsets, cache tables and mask fix.
 
-    ``program, tensor`` are :func:`~numattn.core.masks.compile_mask`'s; ``q_offsets`` and
+    ``program, tensor`` are :func:`~numattn.core.masks.compile_mask`'s, ``mask_functions``
+    the mask's :func:`~numattn.core.masks.mask_functions` and ``score_mod`` the call's
+    (checked here, their captures where ``device`` runs the call); ``q_offsets`` and
     ``q_lens`` the checked int64 row offsets and lengths of the queries (``ragged``: given
     as offsets; else padded, each sequence ``max_q_len`` rows); ``dtype`` that of the
     queries; ``num_heads`` theirs, or ``None`` when not known yet (a plan: a
@@ -291,9 +309,11 @@ def attention_step(k, v, program, tensor, *, q_offsets, q_lens, max_q_len, kv_of
         q_start_pos = np.zeros(batch, dtype=np.int64)
     else:
         q_start_pos = layout.num_keys - q_lens
-    return AttentionStep(q_offsets, q_start_pos, max_q_len, layout,
-                         MaskArgs(program, additive, tensor is not None), mask_heads, config,
-                         dtype, rules, q_dtype)
+    functions = bind_functions(mask_functions, score_mod, dtype, device)
+    mask = MaskArgs(program, additive, tensor is not None,
+                    kernel_functions(functions, q_start_pos, offsets))
+    return AttentionStep(q_offsets, q_start_pos, max_q_len, layout, mask, mask_heads, config,
+                         dtype, rules, q_dtype, functions)
 
 
 def layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device):
@@ -339,7 +359,7 @@ def layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device)
     softmax = SoftmaxArgs(scale, sinks if has_sink else _no_sinks(num_heads, dtype), has_sink)
     queries = QueryRows(q, step.q_offsets, step.q_start_pos, step.max_q_len)
     return AttentionProblem(queries, layout, step.mask, softmax, step.config, out, q_shape,
-                            bool(return_lse), device, step.q_dtype, final_out)
+                            bool(return_lse), device, step.q_dtype, final_out, step.functions)
 
 
 def plan_q_dtype(q_dtype, kv_dtype):

@@ -6,7 +6,9 @@ built with ``attn_implementation="numattn"`` then runs its attention through
 causal attention to :class:`~numattn.CausalMask`, a sliding window to
 :class:`~numattn.SlidingWindowCausalMask` (transformers' ``kv_idx > q_idx - window`` is numattn's
 ``q_idx - k_idx < window``), attention sinks (``s_aux``) to ``sink_weights``, ``scaling`` to
-``scale``; grouped-query heads are read as they are (no ``repeat_kv``).
+``scale``, logit soft-capping (``softcap``, Gemma-2's ``attn_logit_softcapping``) to
+``score_mod=numattn.softcap(cap)``; grouped-query heads are read as they are (no
+``repeat_kv``).
 
 The name also goes into transformers' ``AttentionMaskInterface`` with :func:`numattn_mask`,
 which hands the attention the 2-D padding mask (or none) instead of a dense ``[B, 1, S, N]``
@@ -20,16 +22,17 @@ step's new rows with :func:`~numattn.store_kv`, so that generation reads the cac
 With transformers' own ``DynamicCache`` (head-major ``[B, Hkv, N, D]``) numattn reads a
 transposed view, which it copies on every call.
 
-Refused with an error naming the option (never computed differently): logit soft-capping
-(``softcap``), dropout, gradients (numattn has no backward pass), tensors that are not CPU
-tensors of float32, float64, float16 or bfloat16 (16-bit models keep 16-bit caches, read
-as stored, and compute in float32), position biases, packed sequences
-without an attention mask, caches whose keys outnumber the positions (static caches),
-4-D masks with a :class:`NumattnCache`, and bidirectional sliding windows.
+Refused with an error naming the option (never computed differently): dropout, gradients
+(numattn has no backward pass), tensors that are not CPU tensors of float32, float64,
+float16 or bfloat16 (16-bit models keep 16-bit caches, read as stored, and compute in
+float32), position biases, packed sequences without an attention mask, caches whose keys
+outnumber the positions (static caches), 4-D masks with a :class:`NumattnCache`, and
+bidirectional sliding windows.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -62,6 +65,7 @@ from numattn import (
     flash_attention_kv_cache,
     store_kv,
 )
+from numattn import softcap as softcap_score_mod
 
 __all__ = ["NAME", "NumattnCache", "numattn_attention", "numattn_mask", "register"]
 
@@ -142,12 +146,8 @@ def _to_torch(array):
     return torch.from_numpy(array)
 
 
-def _check_tensors(query, key, value, dropout, softcap, kwargs):
+def _check_tensors(query, key, value, dropout, kwargs):
     """Everything the attention cannot compute is refused here, before any work."""
-    if softcap is not None:
-        raise ValueError(f"the numattn attention cannot apply logit soft-capping "
-                         f"(softcap={softcap}, e.g. Gemma-2's attn_logit_softcapping); use "
-                         f"attn_implementation='eager' for this model")
     if dropout:
         raise ValueError(f"the numattn attention has no dropout (dropout={dropout}); "
                          f"call model.eval() or use attn_implementation='eager' to train")
@@ -198,6 +198,19 @@ def layer_mask(module, sliding_window, kwargs):
                              f"(sliding_window={sliding_window} with is_causal=False)")
         return SlidingWindowCausalMask(int(sliding_window))
     return CausalMask() if is_causal else NullMask()
+
+
+@functools.lru_cache(maxsize=32)
+def _softcap_mod(cap):
+    """:func:`numattn.softcap` of ``cap``, one object per cap value, which every layer and
+    call of a model then reuses."""
+    return softcap_score_mod(cap)
+
+
+def _score_mod(cap):
+    """The score modifier of transformers' ``softcap`` argument (``None``: none); a cap that
+    is not a number > 0 is refused by :func:`numattn.softcap`."""
+    return None if cap is None else _softcap_mod(cap)
 
 
 def _sinks(s_aux, heads, dtype):
@@ -399,7 +412,9 @@ def numattn_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     sliding_window : int, optional
         Keys with ``q_idx - k_idx >= sliding_window`` are hidden.
     softcap : float, optional
-        Must be ``None``.
+        Logit soft-capping (Gemma-2's ``attn_logit_softcapping``): each scaled score ``x``
+        becomes ``softcap * tanh(x / softcap)`` before the mask and the softmax
+        (``score_mod=numattn.softcap(softcap)``); ``None``: none.
     s_aux : torch.Tensor, shape [H], optional
         One sink logit per query head (gpt-oss).
     **kwargs
@@ -416,23 +431,26 @@ def numattn_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     TypeError, ValueError
         For what numattn cannot compute (see the module's description).
     """
-    dtype = _check_tensors(query, key, value, dropout, softcap, kwargs)
+    dtype = _check_tensors(query, key, value, dropout, kwargs)
     mask = layer_mask(module, sliding_window, kwargs)
     sinks = None if s_aux is None else _sinks(s_aux, query.shape[1], dtype)
+    score_mod = _score_mod(softcap)
     scale = None if scaling is None else float(scaling)
     layer = _pending_layer(module, key)
     if layer is not None:
-        out = layer.attend(query, attention_mask, mask, scale, sinks, sliding_window)
+        out = layer.attend(query, attention_mask, mask, scale, sinks, score_mod, sliding_window)
     else:
-        out = _attend_dense(query, key, value, attention_mask, mask, scale, sinks,
+        out = _attend_dense(query, key, value, attention_mask, mask, scale, sinks, score_mod,
                             sliding_window, kwargs.get("position_ids"), dtype)
     return _to_torch(out), None
 
 
-def _attend_dense(query, key, value, attention_mask, mask, scale, sinks, window, position_ids,
-                  dtype):
+def _attend_dense(query, key, value, attention_mask, mask, scale, sinks, score_mod, window,
+                  position_ids, dtype):
     """Attention over head-major ``[B, Hkv, N, D]`` keys and values (a ``DynamicCache`` layer
-    or no cache), bottom-right aligned: query row ``r`` sits at position ``N - S + r``."""
+    or no cache), bottom-right aligned: query row ``r`` sits at position ``N - S + r``.
+    ``sinks`` and ``score_mod`` go to every operation as ``sink_weights`` and
+    ``score_mod``."""
     b, h, s, d = query.shape
     n = key.shape[2]
     q = _host("query", query).transpose(0, 2, 1, 3)  # [B, S, H, D]
@@ -441,7 +459,8 @@ def _attend_dense(query, key, value, attention_mask, mask, scale, sinks, window,
     if attention_mask is not None and attention_mask.ndim == 4:
         additive = _additive_4d(attention_mask, (b, h, s, n), dtype)
         return flash_attention_kv_cache(np.ascontiguousarray(q), k, v,
-                                        MaterializedMask(additive), scale, sink_weights=sinks)
+                                        MaterializedMask(additive), scale, sink_weights=sinks,
+                                        score_mod=score_mod)
     if n < s:
         raise ValueError(f"key holds {n} positions for {s} queries: the queries must be the "
                          f"last positions of the keys")
@@ -453,17 +472,17 @@ def _attend_dense(query, key, value, attention_mask, mask, scale, sinks, window,
     if real is None:
         if s == 1:
             out = decode_attention(np.ascontiguousarray(q[:, 0]), k, v, mask, scale,
-                                   sink_weights=sinks)
+                                   sink_weights=sinks, score_mod=score_mod)
             return out.reshape(b, 1, h, d)
         return flash_attention_kv_cache(np.ascontiguousarray(q), k, v, mask, scale,
-                                        sink_weights=sinks)
+                                        sink_weights=sinks, score_mod=score_mod)
     if window is not None and _has_holes(real).any():
         # padding inside a sequence changes distances: hide it with an additive mask instead
         additive = np.where(real, dtype.type(0), dtype.type(-np.inf))
         additive = np.ascontiguousarray(np.broadcast_to(additive[:, None, :], (b, s, n)))
         out = flash_attention_kv_cache(np.ascontiguousarray(q), k, v,
                                        mask & MaterializedMask(additive), scale,
-                                       sink_weights=sinks)
+                                       sink_weights=sinks, score_mod=score_mod)
         out[~real[:, n - s:]] = 0  # padded query rows, as on the ragged path
         return out
     # padding only outside each sequence's run of real positions (or a causal mask, which
@@ -473,6 +492,7 @@ def _attend_dense(query, key, value, attention_mask, mask, scale, sinks, window,
         q[q_real], k[real], v[real], mask, scale,
         q_input_row_offsets=_offsets(q_real.sum(axis=1)),
         kv_input_row_offsets=_offsets(real.sum(axis=1)), sink_weights=sinks,
+        score_mod=score_mod,
     )
     out = np.zeros((b, s, h, d), dtype=dtype)
     out[q_real] = rows
@@ -572,8 +592,10 @@ class NumattnLayer(CacheLayerMixin):
         self.positions += int(key_states.shape[2])
         return key_states, value_states
 
-    def attend(self, query, attention_mask, mask, scale, sinks, window):
-        """Store the pending rows (those not padded) and attend ``query`` over the pages."""
+    def attend(self, query, attention_mask, mask, scale, sinks, score_mod, window):
+        """Store the pending rows (those not padded) and attend ``query`` over the pages
+        (``sinks`` and ``score_mod`` as every operation's ``sink_weights`` and
+        ``score_mod``)."""
         key_states, value_states = self.pending
         self.pending = None
         b, h, s, d = query.shape
@@ -601,15 +623,17 @@ class NumattnLayer(CacheLayerMixin):
         if new is None:
             if s == 1:
                 out = decode_attention(np.ascontiguousarray(q[:, 0]), self.k, self.v, mask, scale,
-                                       sink_weights=sinks).reshape(b, 1, h, d)
+                                       sink_weights=sinks, score_mod=score_mod
+                                       ).reshape(b, 1, h, d)
             else:
                 out = flash_attention_kv_cache(
                     np.ascontiguousarray(q).reshape(b * s, h, d), self.k, self.v, mask, scale,
-                    q_input_row_offsets=offsets, sink_weights=sinks,
+                    q_input_row_offsets=offsets, sink_weights=sinks, score_mod=score_mod,
                 ).reshape(b, s, h, d)
         else:
             rows = flash_attention_kv_cache(q[new], self.k, self.v, mask, scale,
-                                            q_input_row_offsets=offsets, sink_weights=sinks)
+                                            q_input_row_offsets=offsets, sink_weights=sinks,
+                                            score_mod=score_mod)
             out = np.zeros((b, s, h, d), dtype=self.dtype)
             out[new] = rows
         self.lengths += np.diff(offsets)  # in place: the PagedKVCache objects share the array

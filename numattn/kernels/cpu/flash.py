@@ -37,7 +37,9 @@ from ...core.masks import TILE_FULL, TILE_NONE, TILE_PARTIAL
 from ...core.validate import row_counts
 from ..shared.masks import add_bias, mask_tile_status, mask_visible, visible_span
 from ..shared.paging import kv_page_slot
+from ..shared.scores import modified_score
 from ..shared.softmax import accumulate, finish_row
+from .function_tiles import with_tile_tables
 from .schedule import zigzag_schedule
 from .simd import prefetch_head, widen_row
 from .softmax import softmax_tile
@@ -94,8 +96,8 @@ def _set_blas_threads(counts):
             release()
 
 
-def _work_items(q_offsets, q_start_pos, num_keys, num_kv_heads, program, block_q, block_k,
-               num_threads):
+def _work_items(q_offsets, q_start_pos, num_keys, num_kv_heads, program, functions, block_q,
+               block_k, num_threads):
     """Work items ``(sequence, KV head, first row)``, their split among the threads, and
     the work they hold.
 
@@ -132,7 +134,7 @@ def _work_items(q_offsets, q_start_pos, num_keys, num_kv_heads, program, block_q
             width[i] = min(size[b], q_len - row0[i])
             i += 1
     cost = np.empty(num_tiles, dtype=np.int64)
-    _tile_costs(q_start_pos, num_keys, seq, row0, width, program, block_k, cost)
+    _tile_costs(q_start_pos, num_keys, seq, row0, width, program, functions, block_k, cost)
     # item i: query tile i // num_kv_heads, KV head i % num_kv_heads
     num_items = num_tiles * num_kv_heads
     item_cost = np.empty(num_items, dtype=np.int64)
@@ -162,7 +164,8 @@ def work_items(step):
     config = step.config
     return cpu_jit(_work_items)(
         step.q_offsets, step.q_start_pos, step.layout.num_keys, step.layout.num_kv_heads,
-        step.mask.program, config.block_q, config.block_k, numba.get_num_threads(),
+        step.mask.program, step.mask.functions, config.block_q, config.block_k,
+        numba.get_num_threads(),
     )
 
 
@@ -182,6 +185,7 @@ def run_flash_cpu(problem, items=None):
         The result (``problem.out`` when given) and, with ``problem.return_lse``, the LSE
         (else ``None``).
     """
+    problem = with_tile_tables(problem)
     queries, layout, mask, softmax, config, out, out_shape, return_lse = problem[:8]
     q, q_offsets = queries[0], queries[1]
     dtype = q.dtype
@@ -202,7 +206,8 @@ def run_flash_cpu(problem, items=None):
             and total >= MULTI_QUERY_MIN_ACTIVE * batch * max_q_len
             and layout.max_keys >= MULTI_QUERY_MIN_KEYS_PER_ROW * max_q_len):
         run_multi_query_cpu(queries, layout, mask, max_q_len, softmax, config, out_rows,
-                            None if lse is None else lse_rows, work > SERIAL_MULTIPLY_ADDS)
+                            None if lse is None else lse_rows, work > SERIAL_MULTIPLY_ADDS,
+                            problem.special)
         return result, lse
     if items is None:
         items = work_items(problem)
@@ -212,8 +217,9 @@ def run_flash_cpu(problem, items=None):
     tiling = (group, config.block_q, config.block_k, _SUB_Q)
     # the parts go as plain tuples: Numba types those in C at each call, NamedTuples in Python
     with _blas_single_thread() if parallel else contextlib.nullcontext():
-        cpu_jit(_flash_kernel, parallel=parallel)(
-            tuple(queries), schedule, layout[:9], tuple(mask), tuple(softmax), tiling,
+        cpu_jit(_flash_kernel, parallel=parallel, special=problem.special)(
+            tuple(queries), schedule, layout[:9], tuple(mask[:3]), mask.functions,
+            tuple(softmax), tiling,
             (out_rows, lse_rows, lse is not None),
         )
     return result, lse
@@ -248,21 +254,22 @@ _SUB_Q = 16  # query positions per sub-tile of a PARTIAL tile (each trimmed to i
 
 
 @body
-def _row_visibility(program, q_idx, k0, kw, visible):
-    """``visible[j]`` for keys ``k0 .. k0 + kw - 1`` of query ``q_idx``, by sub-tiles."""
+def _row_visibility(program, functions, b, h, q_idx, k0, kw, visible):
+    """``visible[j]`` for keys ``k0 .. k0 + kw - 1`` of query ``q_idx`` (head ``h`` of
+    sequence ``b``), by sub-tiles."""
     for c0 in range(0, kw, _CHUNK):
         c1 = min(c0 + _CHUNK, kw)
-        status = mask_tile_status(program, q_idx, q_idx, k0 + c0, k0 + c1 - 1)
+        status = mask_tile_status(program, functions, b, q_idx, q_idx, k0 + c0, k0 + c1 - 1)
         if status == TILE_PARTIAL:
             for j in range(c0, c1):
-                visible[j] = mask_visible(program, q_idx, k0 + j)
+                visible[j] = mask_visible(program, functions, b, h, q_idx, k0 + j)
         else:
             for j in range(c0, c1):
                 visible[j] = status == TILE_NONE
 
 
 @body
-def _pv_visible_only(p_tile, v_tile, mask, pos0, k0, group, bm, kv_head, row0, pv, visible):
+def _pv_visible_only(p_tile, v_tile, mask, pos0, k0, group, b, bm, kv_head, row0, pv, visible):
     """``pv = P V`` reading only each row's visible keys (V holds a NaN or inf).
 
     Used instead of the GEMM when a partially masked tile's values are not all finite, so
@@ -272,13 +279,18 @@ def _pv_visible_only(p_tile, v_tile, mask, pos0, k0, group, bm, kv_head, row0, p
     of head ``kv_head * group + hl``.  ``mask`` holds
     :class:`~numattn.core.problem.MaskArgs`' fields.
     """
-    program, additive, has_additive = mask
+    program, additive, has_additive, functions = mask
+    per_head = functions[3]
     kw = v_tile.shape[0]
     head_dim = v_tile.shape[1]
     n_hm = additive.shape[1]
     for r in range(p_tile.shape[0] // group):
-        _row_visibility(program, pos0 + r, k0, kw, visible)
+        if not per_head:
+            _row_visibility(program, functions, b, kv_head * group, pos0 + r, k0, kw, visible)
         for hl in range(group):
+            if per_head:
+                _row_visibility(program, functions, b, kv_head * group + hl, pos0 + r, k0, kw,
+                                visible)
             i = r * group + hl
             hm = kv_head * group + hl if n_hm > 1 else 0
             for d in range(head_dim):
@@ -294,18 +306,19 @@ def _pv_visible_only(p_tile, v_tile, mask, pos0, k0, group, bm, kv_head, row0, p
 
 
 @body
-def _key_extent(program, q0, q1, k0, kw):
+def _key_extent(program, functions, b, q0, q1, k0, kw):
     """Keys ``[ka, kb)`` of a tile that queries ``[q0, q1]`` may see (FULL ends trimmed)."""
     ka = 0
     while ka < kw:
         end = min(ka + _CHUNK, kw)
-        if mask_tile_status(program, q0, q1, k0 + ka, k0 + end - 1) != TILE_FULL:
+        if mask_tile_status(program, functions, b, q0, q1, k0 + ka, k0 + end - 1) != TILE_FULL:
             break
         ka = end
     kb = kw
     while kb > ka:
         start = max(kb - _CHUNK, ka)
-        if mask_tile_status(program, q0, q1, k0 + start, k0 + kb - 1) != TILE_FULL:
+        if mask_tile_status(program, functions, b, q0, q1, k0 + start,
+                            k0 + kb - 1) != TILE_FULL:
             break
         kb = start
     return ka, kb
@@ -313,20 +326,21 @@ def _key_extent(program, q0, q1, k0, kw):
 
 @body
 def _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k0, group,
-               mask, bm, kv_head, row0):
+               mask, b, bm, kv_head, row0):
     """One online-softmax step of query positions ``[r0, r1)`` over tile keys ``[ka, kb)``.
 
     ``S = Q K^T`` and ``P V`` are two BLAS GEMMs on contiguous views of the stacked rows
-    ``[r0 * group, r1 * group)``; ``elementwise`` applies the mask (and the additive tensor)
-    pair by pair in between.  The state moves as every tile loop's does
-    (:mod:`numattn.kernels.shared.softmax`): :func:`.softmax.softmax_tile` turns ``S`` into
-    ``P`` and updates ``m`` and ``l``, then ``acc = alpha acc + P V`` (:func:`accumulate`).
-    ``scratch`` is the thread's buffers (:func:`_flash_kernel`), ``mask`` holds
-    :class:`~numattn.core.problem.MaskArgs`' fields.
+    ``[r0 * group, r1 * group)``; the score modifier, if any, and with ``elementwise`` the
+    mask (and the additive tensor) apply pair by pair in between.  The state moves as every
+    tile loop's does (:mod:`numattn.kernels.shared.softmax`): :func:`.softmax.softmax_tile`
+    turns ``S`` into ``P`` and updates ``m`` and ``l``, then ``acc = alpha acc + P V``
+    (:func:`accumulate`).  ``scratch`` is the thread's buffers (:func:`_flash_kernel`),
+    ``mask`` holds :class:`~numattn.core.problem.MaskArgs`' fields.
     """
     q_buf, acc_buf, pv_buf, s_buf = scratch[0], scratch[1], scratch[2], scratch[3]
     row_state, k_tile, v_tile, visible = scratch[4], scratch[5], scratch[6], scratch[7]
-    program, additive, has_additive = mask
+    program, additive, has_additive, functions = mask
+    per_head = functions[3]
     m_run = row_state[0]
     l_run = row_state[1]
     alpha = row_state[2]
@@ -339,14 +353,25 @@ def _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k
     scores = s_buf[: rows * nk].reshape(rows, nk)
     np.dot(q_rows, keys.T, scores)
     n_hm = additive.shape[1]
+    h0 = kv_head * group
+    if functions[2]:  # the score modifier
+        for r in range(r0, r1):
+            for hl in range(group):
+                i = (r - r0) * group + hl
+                for j in range(nk):
+                    scores[i, j] = modified_score(functions, scores[i, j], b, h0 + hl, pos0 + r,
+                                                  k0 + ka + j)
     if elementwise:
         for r in range(r0, r1):
             jlo, jhi, is_span = visible_span(program, pos0 + r, k0 + ka, nk)
-            if not is_span:
-                _row_visibility(program, pos0 + r, k0 + ka, nk, visible)
+            if not is_span and not per_head:
+                _row_visibility(program, functions, b, h0, pos0 + r, k0 + ka, nk, visible)
             for hl in range(group):
                 i = (r - r0) * group + hl
-                hm = kv_head * group + hl if n_hm > 1 else 0
+                hm = h0 + hl if n_hm > 1 else 0
+                if not is_span and per_head:
+                    _row_visibility(program, functions, b, h0 + hl, pos0 + r, k0 + ka, nk,
+                                    visible)
                 if is_span:
                     for j in range(jlo):
                         scores[i, j] = -np.inf
@@ -369,7 +394,7 @@ def _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k
     softmax_tile(scores, m_rows, l_rows, alpha_rows)
     pv = pv_buf[: rows * head_dim].reshape(rows, head_dim)
     if elementwise and not v_finite:
-        _pv_visible_only(scores, values, mask, pos0 + r0, k0 + ka, group, bm, kv_head,
+        _pv_visible_only(scores, values, mask, pos0 + r0, k0 + ka, group, b, bm, kv_head,
                          row0 + r0, pv, visible)
     else:
         np.dot(scores, values, pv)
@@ -381,7 +406,7 @@ def _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k
 
 
 @body
-def _tile_costs(q_start_pos, num_keys, seq, row0, widths, program, block_k, cost):
+def _tile_costs(q_start_pos, num_keys, seq, row0, widths, program, functions, block_k, cost):
     """``cost[i]``: rows x keys of the key tiles that query tile ``i`` does not skip."""
     for i in range(seq.shape[0]):
         b = seq[i]
@@ -390,18 +415,20 @@ def _tile_costs(q_start_pos, num_keys, seq, row0, widths, program, block_k, cost
         keys = 0
         for k0 in range(0, num_keys[b], block_k):
             kw = min(block_k, num_keys[b] - k0)
-            if mask_tile_status(program, pos0, pos0 + width - 1, k0, k0 + kw - 1) != TILE_FULL:
+            if mask_tile_status(program, functions, b, pos0, pos0 + width - 1, k0,
+                                k0 + kw - 1) != TILE_FULL:
                 keys += kw
         cost[i] = width * (keys + 1)
 
 
-def _flash_kernel(queries, schedule, kv, mask, softmax, tiling, outputs):
+def _flash_kernel(queries, schedule, kv, mask, functions, softmax, tiling, outputs):
     """Every work item of ``schedule = (items, starts)`` (:func:`_work_items`), thread ``t``
     those of ``starts[t]:starts[t + 1]``.
 
     ``queries``, ``kv``, ``mask`` and ``softmax`` are tuples of the fields of
     :class:`~numattn.core.problem.QueryRows`, :class:`~numattn.core.problem.PagedKV`,
-    :class:`~numattn.core.problem.MaskArgs` and :class:`~numattn.core.problem.SoftmaxArgs`;
+    :class:`~numattn.core.problem.MaskArgs` (but its ``functions``, apart: a parallel loop
+    takes no tuple that holds a tuple) and :class:`~numattn.core.problem.SoftmaxArgs`;
     ``tiling = (group, block_q, block_k, sub_q)``; ``outputs = (out [T, H, D], lse [T, H],
     want_lse)``.
     """
@@ -432,7 +459,8 @@ def _flash_kernel(queries, schedule, kv, mask, softmax, tiling, outputs):
         scratch = (q_buf, acc_buf, pv_buf, s_buf, row_state, k_tile, v_tile, visible, key_rows)
         for item in range(starts[thread], starts[thread + 1]):
             _run_item(queries, item_seq[item], item_head[item], item_row0[item],
-                      item_width[item], kv, mask, softmax, tiling, outputs, scratch)
+                      item_width[item], kv, (mask[0], mask[1], mask[2], functions), softmax,
+                      tiling, outputs, scratch)
 
 
 @body
@@ -443,7 +471,7 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
     k_blocks, v_blocks, page_size, lookup_table, row_base, num_keys, k_scales, v_scales, \
         kv_format = kv
     has_scales = k_scales.shape[0] > 0
-    program, additive, has_additive = mask
+    program, additive, has_additive, functions = mask
     scale, sinks, has_sink = softmax
     group, block_k, sub_q = tiling[0], tiling[2], tiling[3]
     out, lse, want_lse = outputs
@@ -479,7 +507,7 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
     elementwise = first == first  # True, as a bool
     for k0 in range(0, n_keys, block_k):
         kw = min(block_k, n_keys - k0)
-        status = mask_tile_status(program, pos0, pos0 + width - 1, k0, k0 + kw - 1)
+        status = mask_tile_status(program, functions, b, pos0, pos0 + width - 1, k0, k0 + kw - 1)
         if status == TILE_FULL:
             continue
         # Gather the tile's keys and values through the page table (each key's page and
@@ -513,7 +541,7 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
                 v_finite &= x - x == zero  # NaN for NaN and inf
         if status == TILE_NONE and not has_additive:
             _tile_step(scratch, head_dim, v_finite, first, width, first, kw, not elementwise,
-                       pos0, k0, group, mask, bm, kv_head, row0)
+                       pos0, k0, group, mask, b, bm, kv_head, row0)
             continue
         # Partially masked: blocks of sub_q positions, each trimmed to the keys it sees;
         # consecutive unmasked blocks run as one taller step.
@@ -522,19 +550,20 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
             r1 = min(r0 + sub_q, width)
             sub = TILE_FULL
             if r0 < width:
-                sub = mask_tile_status(program, pos0 + r0, pos0 + r1 - 1, k0, k0 + kw - 1)
+                sub = mask_tile_status(program, functions, b, pos0 + r0, pos0 + r1 - 1, k0,
+                                       k0 + kw - 1)
                 if sub == TILE_NONE and not has_additive:
                     run0 = r0 if run0 < 0 else run0
                     continue
             if run0 >= 0:  # flush the unmasked run [run0, r0)
                 _tile_step(scratch, head_dim, v_finite, run0, min(r0, width), first, kw,
-                           not elementwise, pos0, k0, group, mask, bm, kv_head, row0)
+                           not elementwise, pos0, k0, group, mask, b, bm, kv_head, row0)
                 run0 = first - 1
             if sub == TILE_FULL:
                 continue
-            ka, kb = _key_extent(program, pos0 + r0, pos0 + r1 - 1, k0, kw)
+            ka, kb = _key_extent(program, functions, b, pos0 + r0, pos0 + r1 - 1, k0, kw)
             _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k0,
-                       group, mask, bm, kv_head, row0)
+                       group, mask, b, bm, kv_head, row0)
     for r in range(width):
         for hl in range(group):
             h = h0 + hl

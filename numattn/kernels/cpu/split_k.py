@@ -27,9 +27,11 @@ from ...core.validate import row_counts
 from ..shared.masks import key_bias, mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
 from ..shared.partitions import MIN_TILES_PER_PARTITION, partition_bounds, partition_count
+from ..shared.scores import modified_score
 from ..shared.softmax import merge_partials
 from ..shared.storage import stored_value
 from . import simd
+from .function_tiles import with_tile_tables
 from .schedule import zigzag_schedule
 from .simd import (
     prefetch_row,
@@ -153,11 +155,11 @@ def run_decode_cpu(problem, launch):
     lse = np.empty((batch, num_heads), dtype)
     if batch == 0 or num_heads == 0:
         return result, lse
-    program, additive, has_additive = mask
+    mask = with_tile_tables(problem).mask
     scale, sinks, has_sink = softmax
     tiling = launch.tiling
     part_m, part_l, part_acc = _partial_states_cpu(
-        q, q_offsets, q_start_pos, 1, layout, program, additive, has_additive, scale,
+        q, q_offsets, q_start_pos, 1, layout, mask, problem.special, scale,
         tiling[0], tiling[1], launch.parts, launch.parallel, tiling, launch.schedule,
     )
     cpu_jit(_decode_reduce_cpu, parallel=part_acc.size > SERIAL_REDUCE_ELEMENTS)(
@@ -166,11 +168,11 @@ def run_decode_cpu(problem, launch):
     return result, lse
 
 
-def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, additive,
-                        has_additive, scale, block_k, tile_keys, parts, parallel, tiling=None,
-                        schedule=None):
+def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, mask, special, scale,
+                        block_k, tile_keys, parts, parallel, tiling=None, schedule=None):
     """``part_m, part_l, part_acc`` of every (sequence, partition) from
-    :func:`_decode_partitions_cpu` (on the worker threads if ``parallel``), tiled as
+    :func:`_decode_partitions_cpu` (specialized by ``special`` for the call's functions,
+    on the worker threads if ``parallel``), tiled as
     ``tiling`` says (else as :func:`_tiling` says for ``block_k`` and ``tile_keys``), the
     items dealt by ``schedule`` (else by :func:`_schedule`).  The structured arguments go
     as plain tuples: Numba types those in C at each call, NamedTuples in Python."""
@@ -191,8 +193,8 @@ def _partial_states_cpu(q, q_offsets, q_start_pos, max_q_len, layout, program, a
     if schedule is None:
         schedule = _schedule(q_offsets, layout.num_keys, parts, block_k, parallel)
     # QueryRows', PagedKV's (layout[:9]) and MaskArgs' fields
-    cpu_jit(_decode_partitions_cpu, parallel=parallel)(
-        (q, q_offsets, q_start_pos, max_q_len), layout[:9], (program, additive, has_additive),
+    cpu_jit(_decode_partitions_cpu, parallel=parallel, special=special)(
+        (q, q_offsets, q_start_pos, max_q_len), layout[:9], tuple(mask[:3]), mask.functions,
         scale, tiling, schedule, (part_m, part_l, part_acc),
     )
     return part_m, part_l, part_acc
@@ -239,7 +241,8 @@ def _partition_schedule(q_offsets, num_keys, num_partitions, block_k, num_thread
     return zigzag_schedule(cost, num_threads)
 
 
-def run_multi_query_cpu(queries, layout, mask, max_q_len, softmax, config, out, lse, parallel):
+def run_multi_query_cpu(queries, layout, mask, max_q_len, softmax, config, out, lse, parallel,
+                        special=None):
     """Attention of a few query rows per sequence with decode's CPU kernels (no validation).
 
     :func:`.flash.run_flash_cpu` sends problems of at most
@@ -250,11 +253,11 @@ def run_multi_query_cpu(queries, layout, mask, max_q_len, softmax, config, out, 
     (one KV head each) stride through the rows.
     The arguments are parts of a :class:`~numattn.core.problem.AttentionProblem`, plus
     ``max_q_len`` (the longest sequence's rows), ``out [T, H, D]`` and ``lse [T, H]`` (or
-    ``None``) to write and ``parallel`` (use the worker threads).  The key partitions do not
+    ``None``) to write, ``parallel`` (use the worker threads) and ``special`` (the
+    problem's specialization for its functions).  The key partitions do not
     depend on the number of threads (:data:`MULTI_QUERY_WORKERS`), so neither do the results.
     """
     q, q_offsets, q_start_pos, _ = queries
-    program, additive, has_additive = mask
     scale, sinks, has_sink = softmax
     total, num_heads, head_dim = q.shape
     batch = q_offsets.shape[0] - 1
@@ -267,8 +270,8 @@ def run_multi_query_cpu(queries, layout, mask, max_q_len, softmax, config, out, 
     parts = partition_count(None, max_keys, batch, config.block_k, MULTI_QUERY_WORKERS,
                              max(1, MIN_TILES_PER_PARTITION // max_q_len))
     part_m, part_l, part_acc = _partial_states_cpu(
-        q, q_offsets, q_start_pos, max_q_len, layout, program, additive, has_additive,
-        scale, config.block_k, config.block_k, parts, parallel,
+        q, q_offsets, q_start_pos, max_q_len, layout, mask, special, scale,
+        config.block_k, config.block_k, parts, parallel,
     )
     # state row (j S + s) group + g is local row s of head j group + g
     row_sinks = np.ascontiguousarray(np.broadcast_to(
@@ -291,14 +294,15 @@ def run_multi_query_cpu(queries, layout, mask, max_q_len, softmax, config, out, 
 
 
 
-def _decode_partitions_cpu(queries, kv, mask, scale, tiling, schedule, states):
+def _decode_partitions_cpu(queries, kv, mask, functions, scale, tiling, schedule, states):
     """Partial states ``part_* [B, P, R(, D)]``: one work item ``b P + p`` per (sequence
     ``b``, partition ``p``); thread ``t`` computes items
     ``item_order[thread_starts[t]:thread_starts[t + 1]]`` (:func:`_partition_schedule`).
 
     The arguments are tuples: ``queries`` of :class:`~numattn.core.problem.QueryRows`'
     fields, ``kv`` of :class:`~numattn.core.problem.PagedKV`'s, ``mask`` of
-    :class:`~numattn.core.problem.MaskArgs`', ``tiling = (block_k, tile_keys,
+    :class:`~numattn.core.problem.MaskArgs`' (``functions`` apart: a parallel loop takes no
+    tuple that holds a tuple), ``tiling = (block_k, tile_keys,
     prefetch_lines, tile_values)``, ``schedule = (item_order, thread_starts)`` and
     ``states = (part_m, part_l, part_acc)``.
 
@@ -321,6 +325,7 @@ def _decode_partitions_cpu(queries, kv, mask, scale, tiling, schedule, states):
         kv_format = kv
     has_scales = k_scales.shape[0] > 0
     program, additive, has_additive = mask
+    has_score_mod, per_head = functions[2], functions[3]
     block_k, tile_keys, prefetch_lines, tile_values = tiling
     item_order, thread_starts = schedule
     part_m, part_l, part_acc = states
@@ -364,7 +369,7 @@ def _decode_partitions_cpu(queries, kv, mask, scale, tiling, schedule, states):
                 continue
             for k0 in range(start, end, tile_keys):
                 k1 = min(k0 + tile_keys, end)
-                status = mask_tile_status(program, q0, q0 + q_len - 1, k0, k1 - 1)
+                status = mask_tile_status(program, functions, b, q0, q0 + q_len - 1, k0, k1 - 1)
                 if status == TILE_FULL:
                     continue
                 n = k1 - k0
@@ -380,17 +385,29 @@ def _decode_partitions_cpu(queries, kv, mask, scale, tiling, schedule, states):
                              kv_format, scores)
                 if has_scales:  # q . (k s) = (q . k) s
                     _scale_keys(scores, k_scales, pages, slots, n, kv_rows)
-                all_visible = status == TILE_NONE and not has_additive
-                if not all_visible:
-                    # the mask once per (query row, key), then each state row
-                    seen = seen_buf[:max_q_len * n].reshape(max_q_len, n)
-                    for s in range(max_q_len):
-                        for i in range(n):
-                            seen[s, i] = s < q_len and (
-                                status == TILE_NONE or mask_visible(program, q0 + s, k0 + keys[i]))
+                if has_score_mod:
                     for r in range(num_rows):
                         s = r % kv_rows // group
                         h = r // kv_rows * group + r % group
+                        if s < q_len:  # the function sees the call's positions only
+                            for i in range(n):
+                                scores[r, i] = modified_score(functions, scores[r, i], b, h,
+                                                              q0 + s, k0 + keys[i])
+                all_visible = status == TILE_NONE and not has_additive
+                if not all_visible:
+                    # the mask once per (query row, key) (per head for a function that
+                    # reads it), then each state row
+                    seen = seen_buf[:max_q_len * n].reshape(max_q_len, n)
+                    each_head = per_head and status != TILE_NONE
+                    if not each_head:
+                        _seen_keys(program, functions, status, b, 0, q0, q_len, k0, keys, seen,
+                                   0, max_q_len)
+                    for r in range(num_rows):
+                        s = r % kv_rows // group
+                        h = r // kv_rows * group + r % group
+                        if each_head:
+                            _seen_keys(program, functions, status, b, h, q0, q_len, k0, keys,
+                                       seen, s, s + 1)
                         for i in range(n):
                             bias = zero
                             if has_additive and seen[s, i]:
@@ -410,6 +427,16 @@ def _decode_partitions_cpu(queries, kv, mask, scale, tiling, schedule, states):
                 _tile_values(scores, k_blocks, v_blocks, pages, slots, n, ahead, kv_rows,
                              prefetch_lines, tile_values and all_visible, all_visible, hidden,
                              kv_format, acc)
+
+
+@body
+def _seen_keys(program, functions, status, b, h, q0, q_len, k0, keys, seen, s0, s1):
+    """``seen[s, i]`` for rows ``s0 <= s < s1``: key ``k0 + keys[i]`` visible from local query
+    row ``s`` (head ``h``)."""
+    for s in range(s0, s1):
+        for i in range(seen.shape[1]):
+            seen[s, i] = s < q_len and (status == TILE_NONE or mask_visible(
+                program, functions, b, h, q0 + s, k0 + keys[i]))
 
 
 @body

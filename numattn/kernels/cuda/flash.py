@@ -22,9 +22,10 @@ from ...core.masks import TILE_FULL, TILE_NONE
 from ...core.validate import dtype_of, row_counts, shape_of, spans_overlap
 from ..shared.masks import mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
+from ..shared.scores import modified_score
 from ..shared.softmax import accumulate, finish_row, key_weight, max_nan, rescale_factor
 from ..shared.storage import stored_value
-from .split_k import device_scales
+from .split_k import device_functions, device_scales
 
 #: Largest number of (query row, query head) pairs that a CUDA block serves.
 MAX_ROW_HEADS = 32
@@ -58,7 +59,7 @@ def run_flash_cuda(problem):
     without ``problem.return_lse``).  An ``out`` that is a device array over ``q``'s memory
     gets the result once every query was read (the kernel accumulates in its output)."""
     q, q_offsets, layout, config = problem.q, problem.q_offsets, problem.layout, problem.config
-    program, additive, has_additive = problem.mask
+    program, additive, has_additive, functions = problem.mask
     scale, group, out, return_lse = problem.scale, problem.group, problem.out, problem.return_lse
     cuda = require_cuda()
     num_tokens, num_heads, head_dim = shape_of(q)
@@ -90,7 +91,7 @@ def run_flash_cuda(problem):
         d_out = cuda.device_array((num_tokens, num_heads, head_dim), dtype=dtype)
     d_lse = cuda.device_array((num_tokens, num_heads) if return_lse else (1, 1), dtype=dtype)
     if tile_seq.shape[0] and num_heads:
-        kernel = cuda_kernel(_flash_cuda_kernel)
+        kernel = cuda_kernel(_flash_cuda_kernel, problem.special)
         grid = (tile_seq.shape[0], num_heads // heads)
         k_scales, v_scales, has_scales = device_scales(cuda, layout, on_device)
         if has_scales:
@@ -102,7 +103,8 @@ def run_flash_cuda(problem):
             rows_view(layout.k_blocks), rows_view(layout.v_blocks), np.int64(layout.page_size),
             on_device(layout.lookup_table), on_device(layout.row_base),
             on_device(layout.num_keys), k_scales, v_scales, np.int64(layout.kv_format),
-            has_scales, on_device(program), on_device(additive),
+            has_scales, on_device(program), device_functions(functions, on_device),
+            on_device(additive),
             bool(has_additive), dtype.type(scale), on_device(problem.sinks),
             bool(problem.has_sink), np.int64(group), np.int64(heads), np.int64(rows),
             np.int64(keys), d_out, d_lse, bool(return_lse),
@@ -126,14 +128,15 @@ def run_flash_cuda(problem):
 # CUDA kernel (bound with ``cuda_kernel``; plain Python so the simulator can run it).
 # --------------------------------------------------------------------------------------
 @body
-def _visible_key(program, status, additive, has_additive, mask_b, mask_h, q0, r, key, k_last):
+def _visible_key(program, functions, status, additive, has_additive, b, h, mask_b, mask_h, q0, r,
+                 key, k_last):
     """True when key ``key`` (of a tile ending at ``k_last``) is visible from query row
-    ``r`` (at position ``q0 + r``): inside the tile, shown by the mask program and not
-    hidden by the additive tensor (row ``r`` of head ``mask_h`` of its sequence
-    ``mask_b``)."""
+    ``r`` (at position ``q0 + r``, head ``h`` of sequence ``b``): inside the tile, shown by
+    the mask program and not hidden by the additive tensor (row ``r`` of head ``mask_h`` of
+    its sequence ``mask_b``)."""
     if key > k_last:
         return False
-    if status != TILE_NONE and not mask_visible(program, q0 + r, key):
+    if status != TILE_NONE and not mask_visible(program, functions, b, h, q0 + r, key):
         return False
     return not has_additive or additive[mask_b, mask_h, r, key] != -math.inf
 
@@ -148,9 +151,9 @@ def _row_head_of(i, heads_per_block, token0, h0):
 
 def _flash_cuda_kernel(q, q_offsets, q_start_pos, tile_seq, tile_row0, k_rows, v_rows,
                        page_size, lookup_table, row_base, num_keys, k_scales, v_scales,
-                       kv_format, has_scales, program, additive, has_additive, scale, sinks,
-                       has_sink, group, heads_per_block, rows_per_block, block_k, out, lse,
-                       write_lse):
+                       kv_format, has_scales, program, functions, additive, has_additive, scale,
+                       sinks, has_sink, group, heads_per_block, rows_per_block, block_k, out,
+                       lse, write_lse):
     """One block: query rows ``r0 ..`` of sequence ``b`` (at positions ``q_start_pos[b] +
     r``) x query heads ``h0 ..``.
 
@@ -194,18 +197,18 @@ def _flash_cuda_kernel(q, q_offsets, q_start_pos, tile_seq, tile_row0, k_rows, v
     started = False
     for k0 in range(0, n, block_k):
         k_last = min(k0 + block_k, n) - 1
-        status = mask_tile_status(program, q0 + r0, q0 + r0 + rows - 1, k0, k_last)
+        status = mask_tile_status(program, functions, b, q0 + r0, q0 + r0 + rows - 1, k0, k_last)
         if status == TILE_FULL:
             continue
         _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv_format,
-                          has_scales, program, additive, has_additive, scale, b, token0, q0,
-                          r0, rows, h0, heads_per_block, group, block_k, k0, k_last, status,
-                          key_row, scores)
+                          has_scales, program, functions, additive, has_additive, scale, b,
+                          token0, q0, r0, rows, h0, heads_per_block, group, block_k, k0, k_last,
+                          status, key_row, scores)
         cuda.syncthreads()
         _tile_rescale_cuda(scores, row_max, rescale, width, block_k, k_last - k0 + 1)
         cuda.syncthreads()
-        _tile_weights_cuda(program, additive, has_additive, b, q0, r0, h0, heads_per_block,
-                           width, block_k, k0, k_last, status, row_max, scores)
+        _tile_weights_cuda(program, functions, additive, has_additive, b, q0, r0, h0,
+                           heads_per_block, width, block_k, k0, k_last, status, row_max, scores)
         cuda.syncthreads()
         _tile_values_cuda(v_rows, v_scales, kv_format, has_scales, key_row, scores, rescale,
                           token0, h0, heads_per_block, group, width, block_k, k_last - k0 + 1,
@@ -218,11 +221,12 @@ def _flash_cuda_kernel(q, q_offsets, q_start_pos, tile_seq, tile_row0, k_rows, v
 
 @body
 def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv_format,
-                      has_scales, program, additive, has_additive, scale, b, token0, q0, r0,
-                      rows, h0, heads_per_block, group, block_k, k0, k_last, status, key_row,
-                      scores):
-    """``scores[i * block_k + j]``: the score of key ``k0 + j`` for row-head ``i`` (``-inf``
-    where the mask or the additive tensor hides it) and ``key_row[j]``: its cache row.
+                      has_scales, program, functions, additive, has_additive, scale, b, token0,
+                      q0, r0, rows, h0, heads_per_block, group, block_k, k0, k_last, status,
+                      key_row, scores):
+    """``scores[i * block_k + j]``: the (modified) score of key ``k0 + j`` for row-head ``i``
+    (``-inf`` where the mask or the additive tensor hides it) and ``key_row[j]``: its cache
+    row.
 
     Threads over the tile's keys: each K row is loaded once for all the row-heads.
     """
@@ -234,6 +238,7 @@ def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv
     per_head_mask = additive.shape[1] > 1
     zero = scale - scale
     real = q.dtype.type  # the compute dtype: a no-op on float storage, typed for the others
+    has_score_mod, per_head = functions[2], functions[3]
     for j in range(tid, block_k, num_threads):
         key = k0 + j
         row = -1
@@ -243,12 +248,15 @@ def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv
             key_row[j] = row
         for lr in range(rows):
             r = r0 + lr
-            visible = key <= k_last
-            if visible and status != TILE_NONE:
-                visible = mask_visible(program, q0 + r, key)
+            in_tile = key <= k_last
+            visible = in_tile
+            if in_tile and status != TILE_NONE and not per_head:
+                visible = mask_visible(program, functions, b, h0, q0 + r, key)
             for hl in range(heads_per_block):
                 i = lr * heads_per_block + hl
                 h = h0 + hl
+                if in_tile and status != TILE_NONE and per_head:
+                    visible = mask_visible(program, functions, b, h, q0 + r, key)
                 bias = zero
                 if visible and has_additive:  # -inf hides the key, whatever it holds
                     bias = additive[mask_b, h if per_head_mask else 0, r, key]
@@ -263,7 +271,10 @@ def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv
                                 k_rows[row, kv_head, d], kv_format, q)
                     if has_scales:  # q . (k s) = (q . k) s
                         dot *= k_scales[row, kv_head]
-                    scores[i * block_k + j] = dot * scale + bias
+                    score = dot * scale
+                    if has_score_mod:
+                        score = modified_score(functions, score, b, h, q0 + r, key)
+                    scores[i * block_k + j] = score + bias
                 else:
                     scores[i * block_k + j] = -math.inf
 
@@ -285,8 +296,8 @@ def _tile_rescale_cuda(scores, row_max, rescale, width, block_k, num_keys):
 
 
 @body
-def _tile_weights_cuda(program, additive, has_additive, b, q0, r0, h0, heads_per_block, width,
-                       block_k, k0, k_last, status, row_max, scores):
+def _tile_weights_cuda(program, functions, additive, has_additive, b, q0, r0, h0,
+                       heads_per_block, width, block_k, k0, k_last, status, row_max, scores):
     """Scores become the keys' weights (:func:`.key_weight`); hidden keys stay ``-inf``.
 
     A visible key whose score is ``-inf`` (inf in q or K) gets weight 0: ``0 * V`` still
@@ -297,9 +308,10 @@ def _tile_weights_cuda(program, additive, has_additive, b, q0, r0, h0, heads_per
     for idx in range(cuda.threadIdx.x, width * block_k, cuda.blockDim.x):
         s = scores[idx]
         i = idx // block_k
-        mask_h = h0 + i % heads_per_block if per_head_mask else 0
-        if s != -math.inf or _visible_key(program, status, additive, has_additive, mask_b,
-                                          mask_h, q0, r0 + i // heads_per_block,
+        h = h0 + i % heads_per_block
+        mask_h = h if per_head_mask else 0
+        if s != -math.inf or _visible_key(program, functions, status, additive, has_additive,
+                                          b, h, mask_b, mask_h, q0, r0 + i // heads_per_block,
                                           k0 + idx % block_k, k_last):
             scores[idx] = key_weight(s, row_max[i])
 

@@ -19,6 +19,7 @@ from ...core.validate import shape_of
 from ..shared.masks import key_bias, key_hidden, mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
 from ..shared.partitions import partition_bounds, partition_count
+from ..shared.scores import modified_score
 from ..shared.softmax import (
     accumulate,
     key_weight,
@@ -87,10 +88,12 @@ def run_decode_cuda(problem, num_partitions):
              (batch, parts, num_heads, head_dim), (batch, num_heads)])
         grid = (parts, layout.num_kv_heads, batch)
         k_scales, v_scales, has_scales = device_scales(cuda, layout, to_device)
-        cuda_kernel(_decode_partitions_cuda)[grid, threads, 0, heads_per_pass * per_head](
+        kernel = cuda_kernel(_decode_partitions_cuda, problem.special)
+        kernel[grid, threads, 0, heads_per_pass * per_head](
             to_device(q), to_device(layout.k_blocks), to_device(layout.v_blocks),
             layout.page_size, table, row_base, num_keys, k_scales, v_scales,
-            np.int64(layout.kv_format), has_scales, program, additive, args.has_additive,
+            np.int64(layout.kv_format), has_scales, program,
+            device_functions(args.mask.functions, to_device), additive, args.has_additive,
             args.scale, block_k, tile, heads_per_pass, part_m, part_l, part_acc,
         )
         cuda_kernel(_decode_reduce_cuda)[batch * num_heads, threads](
@@ -110,6 +113,15 @@ def device_scales(cuda, layout, to_device):
         placeholder = cuda.to_device(np.ones((1, 1, 1), np.float32))
         return placeholder, placeholder, False
     return to_device(layout.k_scales), to_device(layout.v_scales), True
+
+
+def device_functions(functions, to_device):
+    """The kernels' ``functions`` tuple (:func:`numattn.core.functions.kernel_functions`)
+    with its arrays on the device (captured numbers as they are)."""
+    def moved(x):
+        return to_device(x) if isinstance(x, np.ndarray) or is_device_array(x) else x
+
+    return tuple(moved(x) for x in functions)
 
 
 def _packed_to_device(cuda, arrays, dtype):
@@ -138,8 +150,8 @@ def _multiprocessors(cuda):
 
 def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_base,
                             num_keys, k_scales, v_scales, kv_format, has_scales, program,
-                            additive, has_additive, scale, block_k, tile, heads_per_pass,
-                            part_m, part_l, part_acc):
+                            functions, additive, has_additive, scale, block_k, tile,
+                            heads_per_pass, part_m, part_l, part_acc):
     """One block per (partition, KV head, sequence); ``tile`` keys at a time.
 
     Dynamic shared memory holds, per head of a pass, the tile's scores (then weights)
@@ -178,26 +190,27 @@ def _decode_partitions_cuda(q, k_blocks, v_blocks, page_size, lookup_table, row_
         cuda.syncthreads()
         for k0 in range(start, end, tile):
             n = min(k0 + tile, end) - k0
-            status = mask_tile_status(program, q_idx, q_idx, k0, k0 + n - 1)
+            status = mask_tile_status(program, functions, b, q_idx, q_idx, k0, k0 + n - 1)
             if status == TILE_FULL:
                 continue
             _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, k_scales,
-                              kv_format, has_scales, program, additive, has_additive, scale, b,
-                              j, h0, gn, q_idx, k0, n, status, tile, red, shared)
+                              kv_format, has_scales, program, functions, additive, has_additive,
+                              scale, b, j, h0, gn, q_idx, k0, n, status, tile, red, shared)
             _tile_rescale_cuda(m, h0, gn, n, tile, red, alphas, shared)
             _tile_weights_cuda(m, l, h0, gn, n, tile, red, alphas, zero, shared)
             _tile_values_cuda(v_blocks, page_size, lookup_table, row_base, v_scales,
-                              kv_format, has_scales, program, additive, has_additive, b, j, h0,
-                              gn, q_idx, k0, n, status, tile, alphas, zero, shared, acc)
+                              kv_format, has_scales, program, functions, additive, has_additive,
+                              b, j, h0, gn, q_idx, k0, n, status, tile, alphas, zero, shared,
+                              acc)
             cuda.syncthreads()
 
 
 @body
 def _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, k_scales, kv_format,
-                      has_scales, program, additive, has_additive, scale, b, j, h0, gn, q_idx,
-                      k0, n, status, tile, red, shared):
-    """``shared[g * tile + i]``: the score of key ``k0 + i`` for query head ``h0 + g``
-    (``-inf`` where the mask or the additive tensor hides it).
+                      has_scales, program, functions, additive, has_additive, scale, b, j, h0,
+                      gn, q_idx, k0, n, status, tile, red, shared):
+    """``shared[g * tile + i]``: the (modified) score of key ``k0 + i`` for query head
+    ``h0 + g`` (``-inf`` where the mask or the additive tensor hides it).
 
     ``key_slots = threads / CUDA_DOT_LANES`` keys per round: threads ``(key_slot, lane)``
     sum a slice of D each (coalesced rows) into the reduction buffer from ``red``, then one
@@ -234,7 +247,8 @@ def _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, k_scales, 
             i = r0 + ks
             if i < n:
                 s = -math.inf
-                if status == TILE_NONE or mask_visible(program, q_idx, k0 + i):
+                if status == TILE_NONE or mask_visible(program, functions, b, h0 + g, q_idx,
+                                                        k0 + i):
                     bias = zero
                     if has_additive:
                         bias = key_bias(additive, b, h0 + g, 0, k0 + i)
@@ -243,7 +257,10 @@ def _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, k_scales, 
                         base = red + g * threads + ks * CUDA_DOT_LANES
                         for ln in range(CUDA_DOT_LANES):
                             dot += shared[base + ln]
-                        s = dot * scale + bias
+                        s = dot * scale
+                        if functions[2]:  # the score modifier
+                            s = modified_score(functions, s, b, h0 + g, q_idx, k0 + i)
+                        s += bias
                 shared[g * tile + i] = s
         cuda.syncthreads()
 
@@ -308,8 +325,8 @@ def _tile_weights_cuda(m, l, h0, gn, n, tile, red, alphas, zero, shared):
 
 @body
 def _tile_values_cuda(v_blocks, page_size, lookup_table, row_base, v_scales, kv_format,
-                      has_scales, program, additive, has_additive, b, j, h0, gn, q_idx, k0, n,
-                      status, tile, alphas, zero, shared, acc):
+                      has_scales, program, functions, additive, has_additive, b, j, h0, gn,
+                      q_idx, k0, n, status, tile, alphas, zero, shared, acc):
     """``acc[h0 + g, d]`` takes the tile's weighted V rows (:func:`.accumulate`), threads
     over (head, d)."""
     tid = cuda.threadIdx.x
@@ -329,8 +346,8 @@ def _tile_values_cuda(v_blocks, page_size, lookup_table, row_base, v_scales, kv_
             p = shared[g * tile + i]
             # a weight of 0 is a hidden key (left out: its slot may hold NaN) or a visible
             # one whose weight underflowed (0 * V: NaN propagates)
-            if p != 0 or not key_hidden(program, status, q_idx, has_additive, additive, b,
-                                        h0 + g, k0 + i):
+            if p != 0 or not key_hidden(program, functions, status, q_idx, has_additive,
+                                        additive, b, h0 + g, k0 + i):
                 if kv_format == FORMAT_NATIVE:
                     total += p * real(v_blocks[page, slot, j, d])
                 else:

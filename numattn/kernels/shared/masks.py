@@ -10,16 +10,27 @@ run of keys per query; :func:`key_bias` and :func:`add_bias` read an additive te
 What each leaf means comes from its class (:class:`numattn.core.masks.LeafMask`): the
 dispatchers ``_leaf_visible``, ``_leaf_tile`` and ``_leaf_span`` that call the leaf bodies by
 opcode are generated here from the registered leaves.
+
+A :class:`~numattn.core.masks.FunctionMask` leaf (``OP_FUNCTION``, its parameter the
+function's index) calls ``_function_visible``, which kernels specialized for the call's
+functions replace (:mod:`numattn.core.functions`); its tile status comes from the table of
+``functions`` (:data:`numattn.core.functions.FUNCTION_TILE_ROWS`).  Every body here takes
+``functions``, the flat tuple ``(tables, q_start_pos, has_score_mod, per_head,
+batch_offset, q_offset, k_offset, *captures)`` of
+:func:`numattn.core.functions.kernel_functions`, and the sequence ``b`` (plus
+``batch_offset``) and query head ``h`` a function reads.
 """
 
 from __future__ import annotations
 
 import math
 
+from ...core.functions import FUNCTION_TILE_KEYS, FUNCTION_TILE_ROWS
 from ...core.jit import body
 from ...core.masks import (
     INT64_MIN,
     OP_AND,
+    OP_FUNCTION,
     OP_OR,
     TILE_FULL,
     TILE_NONE,
@@ -82,12 +93,49 @@ def _leaf_positions(program, i, q_idx, k_idx):
 
 
 @body
-def mask_visible(program, q_idx, k_idx):
-    """True when key ``k_idx`` is visible from query ``q_idx`` under ``program``."""
+def _function_visible(index, functions, b, h, q_idx, k_idx):
+    """1 when function ``index`` of the mask shows the pair, else 0: never called by the
+    plain kernels (no FunctionMask), replaced in the kernels specialized for one."""
+    return 1
+
+
+@body
+def function_tile(functions, index, b, q0, q1, k0, k1):
+    """``(some pair visible, some pair hidden)``, as 1 or 0, under function ``index`` for
+    queries ``[q0, q1]`` x keys ``[k0, k1]`` of sequence ``b``, from the table of
+    ``functions`` (both 1 where there is none: every tile partial)."""
+    tables = functions[0]
+    if tables.shape[0] == 0:
+        return 1, 1
+    first_row = functions[1][b]
+    r0 = max((q0 - first_row) // FUNCTION_TILE_ROWS, 0)
+    r1 = min((q1 - first_row) // FUNCTION_TILE_ROWS, tables.shape[2] - 1)
+    c0 = max(k0 // FUNCTION_TILE_KEYS, 0)
+    c1 = min(k1 // FUNCTION_TILE_KEYS, tables.shape[3] - 1)
+    some_visible = 0
+    some_hidden = 0
+    for r in range(r0, r1 + 1):
+        for c in range(c0, c1 + 1):
+            entry = tables[index, b, r, c]
+            some_visible |= entry & 1
+            some_hidden |= entry >> 1
+        if some_visible & some_hidden:
+            break
+    return some_visible, some_hidden
+
+
+@body
+def mask_visible(program, functions, b, h, q_idx, k_idx):
+    """True when key ``k_idx`` is visible from query ``q_idx`` (head ``h`` of sequence
+    ``b``) under ``program``."""
     stack = 0
     for i in range(program.shape[0]):
         op = program[i, 0]
-        if op < 0:  # OP_AND or OP_OR
+        if op == OP_FUNCTION:
+            qi, ki = _leaf_positions(program, i, q_idx, k_idx)
+            shown = _function_visible(program[i, 1], functions, b + functions[4], h, qi, ki)
+            stack = (stack << 1) | shown
+        elif op < 0:  # OP_AND or OP_OR
             a = stack & 1
             b = (stack >> 1) & 1
             stack = stack >> 2
@@ -97,6 +145,26 @@ def mask_visible(program, q_idx, k_idx):
             qi, ki = _leaf_positions(program, i, q_idx, k_idx)
             stack = (stack << 1) | _leaf_visible(op, program[i, 1], qi, ki)
     return (stack & 1) == 1
+
+
+@body
+def function_block(program, row, functions, b, q0, q1, k0, k1, num_heads):
+    """Tile-table entry of the function at ``program[row]`` for queries ``[q0, q1)`` x keys
+    ``[k0, k1)`` of sequence ``b``, heads ``0 .. num_heads - 1``: bit 0 "some pair
+    visible", bit 1 "some pair hidden" (0 for no pair)."""
+    index = program[row, 1]
+    b_seen = b + functions[4]
+    shown = 0
+    pairs = 0
+    for h in range(num_heads):
+        for q_idx in range(q0, q1):
+            for k_idx in range(k0, k1):
+                qi, ki = _leaf_positions(program, row, q_idx, k_idx)
+                shown += _function_visible(index, functions, b_seen, h, qi, ki)
+            pairs += k1 - k0
+            if 0 < shown < pairs:
+                return 3
+    return (1 if shown > 0 else 0) | (2 if shown < pairs else 0)
 
 
 @body
@@ -112,8 +180,9 @@ def add_bias(score, bias):
 
 
 @body
-def mask_tile_status(program, q0, q1, k0, k1):
-    """TILE_NONE, TILE_PARTIAL or TILE_FULL for queries [q0, q1] x keys [k0, k1] (inclusive).
+def mask_tile_status(program, functions, b, q0, q1, k0, k1):
+    """TILE_NONE, TILE_PARTIAL or TILE_FULL for queries [q0, q1] x keys [k0, k1] (inclusive)
+    of sequence ``b``, whatever the query head.
 
     Two bit stacks track, for each sub-expression, whether some pair of the tile can be
     visible and whether some pair can be hidden; both are sound over-approximations.
@@ -122,7 +191,11 @@ def mask_tile_status(program, q0, q1, k0, k1):
     hid = 0
     for i in range(program.shape[0]):
         op = program[i, 0]
-        if op < 0:  # OP_AND or OP_OR
+        if op == OP_FUNCTION:  # its table holds the positions it was evaluated at
+            shown, hidden = function_tile(functions, program[i, 1], b, q0, q1, k0, k1)
+            vis = (vis << 1) | shown
+            hid = (hid << 1) | hidden
+        elif op < 0:  # OP_AND or OP_OR
             va = vis & 1
             vb = (vis >> 1) & 1
             ha = hid & 1
@@ -161,10 +234,10 @@ def key_bias(additive, b, h, row, t):
 
 
 @body
-def key_hidden(program, status, q_idx, has_additive, additive, b, h, t):
+def key_hidden(program, functions, status, q_idx, has_additive, additive, b, h, t):
     """True when the mask (tile ``status``) or the additive tensor hides key ``t`` from head
     ``h`` of sequence ``b``."""
-    if status != TILE_NONE and not mask_visible(program, q_idx, t):
+    if status != TILE_NONE and not mask_visible(program, functions, b, h, q_idx, t):
         return True
     return has_additive and key_bias(additive, b, h, 0, t) == -math.inf
 
@@ -175,13 +248,13 @@ def visible_span(program, q_idx, k0, kw):
 
     Every leaf mask shows a query one run of keys, and ``&`` intersects runs, so a program
     without ``|`` gives ``(jlo, jhi, True)``, exactly what :func:`mask_visible` says key by
-    key; with a ``|`` it gives ``(0, 0, False)`` and the caller tests each key.
+    key; with a ``|`` or a function it gives ``(0, 0, False)`` and the caller tests each key.
     """
     lo = k0
     hi = k0 + kw
     for i in range(program.shape[0]):
         op = program[i, 0]
-        if op == OP_OR:
+        if op == OP_OR or op == OP_FUNCTION:
             return 0, 0, False
         if op >= 0:  # a leaf (OP_AND only pairs runs already intersected)
             qi, shift = _leaf_positions(program, i, q_idx, 0)
