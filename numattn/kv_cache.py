@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .core.device import is_device_array, require_cuda
 from .core.interop import as_array
 from .core.kv_cache import (
     ContinuousBatchingKVCache,
@@ -35,7 +36,9 @@ def store_kv(cache, new_rows, input_row_offsets):
     Parameters
     ----------
     cache : ContinuousBatchingKVCache or PagedKVCache
-        The cache to write into (host arrays).
+        The cache to write into: host arrays, or device blocks of float32 or float64
+        (written on the device by a CUDA kernel; ``new_rows`` may be on the host or the
+        device, and the lengths and tables stay on the host).
     new_rows : ndarray, shape [T, Hkv, D]
         New rows of all sequences, concatenated, of any float dtype (float64, float32,
         float16, bfloat16, float8): converted to the cache's dtype by rounding to nearest
@@ -77,8 +80,11 @@ def store_kv(cache, new_rows, input_row_offsets):
             f"{type(cache).__name__}"
         )
     new_rows = as_array("new_rows", new_rows)
-    if not isinstance(cache.blocks, np.ndarray):
-        raise TypeError("store_kv writes host (NumPy) caches; cache.blocks is a device array")
+    on_device = is_device_array(cache.blocks)
+    if on_device and (dtype_of(cache.blocks) not in (np.float32, np.float64)
+                      or cache.scales is not None):
+        raise TypeError(f"store_kv writes device caches of float32 or float64 (without "
+                        f"scales), got {dtype_of(cache.blocks)}")
     check_array("new_rows", new_rows, ndim=3)
     _, _, hkv, d = shape_of(cache.blocks)
     if shape_of(new_rows)[1:] != (hkv, d):
@@ -103,11 +109,31 @@ def store_kv(cache, new_rows, input_row_offsets):
     # page p * page_step is its page p)
     pages = layout.lookup_table[seq, pos // layout.page_size] // layout.page_step
     slots = pos % layout.page_size
+    if on_device:
+        _store_on_device(cache.blocks, pages, slots, new_rows)
+        return cache
     stored, scales = _stored_rows(new_rows, cache.blocks.dtype, cache.scales is not None)
     cache.blocks[pages, slots] = stored
     if scales is not None:
         cache.scales[pages, slots] = scales
     return cache
+
+
+def _store_on_device(blocks, pages, slots, new_rows):
+    """``blocks[pages, slots] = new_rows`` on the device (``new_rows`` copied over if on the
+    host)."""
+    cuda = require_cuda()
+    if is_device_array(new_rows):
+        new_rows = new_rows if hasattr(new_rows, "copy_to_host") else cuda.as_cuda_array(
+            new_rows)
+    else:
+        new_rows = cuda.to_device(np.ascontiguousarray(new_rows))
+    if not hasattr(blocks, "copy_to_host"):
+        blocks = cuda.as_cuda_array(blocks)
+    from .kernels.cuda.store import run_store_cuda  # kernel modules load at the first call
+
+    run_store_cuda(blocks, cuda.to_device(np.ascontiguousarray(pages, dtype=np.int64)),
+                   cuda.to_device(np.ascontiguousarray(slots, dtype=np.int64)), new_rows)
 
 
 #: The largest finite magnitude of each quantized format: a row's scale maps its largest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .core.device import is_device_array, require_cuda
 from .core.dtypes import lse_dtype
 from .core.interop import as_array
 from .core.validate import check_array, check_q_dtype, dtype_of, shape_of
@@ -41,7 +42,8 @@ def merge_states(outs, lses):
     ----------
     outs : sequence of ndarray [..., D], or ndarray [P, ..., D]
         Partial outputs, all of one shape and dtype: float64, float32, float16 or bfloat16
-        (merged in float32, then rounded to their dtype).
+        (merged in float32, then rounded to their dtype).  Device arrays (float32 or
+        float64, C-contiguous) are merged on the device, and the results stay there.
     lses : sequence of ndarray [...], or ndarray [P, ...]
         Their log-sum-exps: float64 for float64 outputs, else float32 (as the operations
         return them).
@@ -102,6 +104,8 @@ def merge_states(outs, lses):
     rows = int(np.prod(out_shape[:-1], dtype=np.int64))
     d = out_shape[-1]
     parts = len(outs)  # not -1 in the reshapes: rows may be 0
+    if any(is_device_array(x) for x in (*outs, *lses)):
+        return _merge_on_device(outs, lses, dtype, out_shape, rows)
     # 16-bit outputs merge in float32 (lse_type), then round to their dtype
     part_out = np.ascontiguousarray(
         np.stack([np.asarray(o) for o in outs]).reshape(parts, rows, d), dtype=lse_type)
@@ -112,3 +116,33 @@ def merge_states(outs, lses):
 
     run_merge_cpu(part_out, part_lse, out, lse)
     return out.astype(dtype, copy=False).reshape(out_shape), lse.reshape(out_shape[:-1])
+
+
+def _merge_on_device(outs, lses, dtype, out_shape, rows):
+    """:func:`merge_states` of parts of which some are device arrays: stacked and merged on
+    the device (host parts are copied over); returns device arrays."""
+    cuda = require_cuda()
+    if dtype not in (np.float32, np.float64):
+        raise TypeError(f"merge_states on the device takes float32 or float64 parts, got {dtype}")
+    d = out_shape[-1]
+
+    def on_device(name, x, shape):
+        if not is_device_array(x):
+            return cuda.to_device(np.ascontiguousarray(x).reshape(shape))
+        x = x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x)
+        if not x.is_c_contiguous():
+            raise ValueError(f"{name} must be C-contiguous on the device")
+        return x.reshape(shape)
+
+    part_out = cuda.device_array((len(outs), rows, d), dtype)
+    part_lse = cuda.device_array((len(outs), rows), dtype)
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        if rows:
+            part_out[i].copy_to_device(on_device(f"outs[{i}]", o, (rows, d)))
+            part_lse[i].copy_to_device(on_device(f"lses[{i}]", x, (rows,)))
+    out = cuda.device_array((rows, d), dtype)
+    lse = cuda.device_array(rows, dtype)
+    from .kernels.cuda.merge import run_merge_cuda  # kernel modules load at the first call
+
+    run_merge_cuda(part_out, part_lse, out, lse)
+    return out.reshape(out_shape), lse.reshape(out_shape[:-1])

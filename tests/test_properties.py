@@ -6,7 +6,8 @@ themselves are made from the seed, so examples stay small and shrink well): the 
 ``store_kv``), the K/V input (plain arrays, a ``ContinuousBatchingKVCache``, or a
 ``PagedKVCache`` with its pages in random order, spare table entries holding sentinels and
 sequences crossing pages), the mask (every mask object, ``&`` / ``|`` trees of them,
-additive tensors of each rank, alone or combined), sinks, GQA groups of 1, 2, 3, 4 and 8,
+additive tensors of each rank, alone or combined; in float32 also a ``FunctionMask`` and
+the score modifiers ``alibi`` and ``softcap``), sinks, GQA groups of 1, 2, 3, 4 and 8,
 partition counts, ``MHAConfig`` tile sizes and the dtype.  Edge cases come with them: empty
 batches and sequences, a single key, rows with no visible key, and NaN, inf or huge values
 in every cache slot that no token of the step uses (they must not reach the output; in some
@@ -58,14 +59,19 @@ from numattn import (
     ChunkedCausalMask,
     ChunkedMask,
     ContinuousBatchingKVCache,
+    FunctionMask,
     MaterializedMask,
     MHAConfig,
     NullMask,
     PagedKVCache,
     SlidingWindowCausalMask,
+    alibi,
     reference,
+    softcap,
 )
 from numattn.core import device as _device
+
+from .utils import built_in_like
 
 #: Per-dtype tolerance: ``|got - want| <= tol * (1 + |want|)`` (see the module docstring).
 TOL = {np.dtype(np.float32): 2e-4, np.dtype(np.float64): 1e-10}
@@ -130,6 +136,7 @@ class Problem:
     poison_used: bool = False  # one used K or V slot holds NaN as well
     return_lse: bool = True
     out: str | None = None  # None, "buffer", or "q" (in place)
+    functions: str | None = None  # None, "mask", "alibi", "mask+softcap" (float32 only)
     seed: int = 0
 
     @property
@@ -169,8 +176,11 @@ def _common(draw, *, small=False):
                   block_k=st.sampled_from([1, 2, 3, 5, 8, 128]),
                   threads_per_block=st.just(32)),
     ))
+    dtype = draw(st.sampled_from(["float32", "float64"]))
+    # mask and score functions: float32 only, three combinations (each compiles kernels)
+    functions = draw(st.sampled_from([None] * 5 + ["mask", "alibi", "mask+softcap"]))
     return dict(
-        dtype=draw(st.sampled_from(["float32", "float64"])),
+        dtype=dtype, functions=functions if dtype == "float32" else None,
         heads=kv_heads * group, kv_heads=kv_heads, head_dim=head_dim,
         mask=draw(st.one_of(st.none(), MASK_TREES)) if additive != "plain" else None,
         additive=additive,
@@ -355,7 +365,26 @@ def _poison_one_used(p, rng, kv, num_keys):
 
 
 def _mask_arg(p, rng, dtype, rows, keys):
-    """The ``mask`` argument: the tree, an additive tensor, or both combined."""
+    """The ``mask`` argument: the tree, an additive tensor, or both combined, and with
+    ``p.functions`` a FunctionMask standing for a random built-in mask."""
+    mask = _tree_and_tensor(p, rng, dtype, rows, keys)
+    if p.functions is None or "mask" not in p.functions:
+        return mask
+    function = FunctionMask(built_in_like, int(rng.integers(0, 5)), int(rng.integers(1, 6)))
+    if mask is None:
+        return function
+    return (MaterializedMask(mask) if isinstance(mask, np.ndarray) else mask) & function
+
+
+def _score_mod(p, rng):
+    if p.functions is None or p.functions == "mask":
+        return None
+    if p.functions == "alibi":
+        return alibi(rng.uniform(0, 1, p.heads))
+    return softcap(float(rng.choice([0.5, 5.0, 50.0])))
+
+
+def _tree_and_tensor(p, rng, dtype, rows, keys):
     if p.additive is None:
         return p.mask
     batch, heads = p.batch, p.heads
@@ -442,6 +471,7 @@ def _run_flash(p):
         rows = s_len + p.extra
     mask = _mask_arg(p, rng, dtype, rows, max(num_keys, default=0) + p.extra)
     options["sink_weights"] = _sinks(p, rng, dtype)
+    options["score_mod"] = _score_mod(p, rng)
     want = reference.flash_attention_kv_cache(q, k, v, mask, p.scale, return_lse=p.return_lse,
                                               **options)
     out = _out_buffer(p, q)
@@ -486,10 +516,12 @@ def _run_decode(p, device="cpu"):
     if mask is None:
         mask = NullMask()
     sinks = _sinks(p, rng, dtype)
+    score_mod = _score_mod(p, rng)
     want = reference.decode_attention(q, k, v, mask, p.scale, sink_weights=sinks,
-                                      return_lse=p.return_lse)
+                                      score_mod=score_mod, return_lse=p.return_lse)
     out = _out_buffer(p, q)
     got = numattn.decode_attention(q, k, v, mask, p.scale, sink_weights=sinks,
+                                   score_mod=score_mod,
                                    num_partitions=p.num_partitions, device=device, out=out,
                                    return_lse=p.return_lse, config=p.config)
     _check(p, got, want, dtype, out)
@@ -519,12 +551,13 @@ def _run_cross(p, device="cpu"):
     mask = _mask_arg(p, rng, dtype, q_max_seq_len, max(num_keys, default=0) + p.extra)
     if mask is None:
         mask = NullMask()
+    score_mod = _score_mod(p, rng)
     want = reference.cross_attention(q, q_offsets, q_max_seq_len, k, v, kv_offsets, mask,
-                                     p.scale, return_lse=p.return_lse)
+                                     p.scale, score_mod=score_mod, return_lse=p.return_lse)
     out = _out_buffer(p, q)
     got = numattn.cross_attention(q, q_offsets, q_max_seq_len, k, v, kv_offsets, mask, p.scale,
-                                  device=device, out=out, return_lse=p.return_lse,
-                                  config=p.config)
+                                  score_mod=score_mod, device=device, out=out,
+                                  return_lse=p.return_lse, config=p.config)
     if p.batch == 0:  # returns at once: out untouched, nothing else to compare
         if out is not None:
             assert (got[0] if p.return_lse else got) is out

@@ -118,3 +118,22 @@ def no_functions_type():
     from numattn.core.functions import kernel_functions
 
     return numba.typeof(kernel_functions(None, np.zeros(1, np.int64)))
+
+
+#: Opcodes of :func:`built_in_like`'s ``kind``.
+NULL, CAUSAL, WINDOW, CHUNKED, CHUNKED_CAUSAL = range(5)
+
+
+def built_in_like(b, h, q_idx, kv_idx, kind, param):
+    """A FunctionMask function that is every built-in mask, chosen by the captured ``kind``
+    (and its window or chunk ``param``): one function, so one set of compiled kernels, for
+    the tests of every mask."""
+    if kind == NULL:
+        return True
+    if kind == CAUSAL:
+        return kv_idx <= q_idx
+    if kind == WINDOW:
+        return kv_idx <= q_idx and q_idx - kv_idx < param
+    if kind == CHUNKED:
+        return q_idx // param == kv_idx // param
+    return kv_idx <= q_idx and q_idx // param == kv_idx // param

@@ -251,7 +251,7 @@ def bind_functions(mask_functions, score_mod, dtype, device):
     return BoundFunctions(special, tuple(mask_functions), score_mod, per_head)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.cache
 def _no_tables():
     return np.zeros((0, 1, 1, 1), dtype=np.uint8)
 

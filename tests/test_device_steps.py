@@ -1,0 +1,139 @@
+"""store_kv and merge_states on the device, and a generation loop that stays there: prefill
+into a device cache, store each step's rows and decode, all on CUDA, against the same loop
+on the CPU.  Semantics in the simulator (tiny shapes), typing by PTX for a real target."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numattn
+from numattn import CausalMask
+
+from .conftest import requires_cuda
+from .utils import assert_close, make_cache, randn
+
+CUDA = (pytest.mark.cuda, requires_cuda)
+
+
+def _cuda():
+    from numattn.core.device import get_cuda
+
+    return get_cuda()
+
+
+@pytest.mark.parametrize("kind", ["continuous", "paged"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.cuda
+@requires_cuda
+def test_store_kv_on_the_device_writes_what_the_host_writes(kind, dtype, rng):
+    cuda = _cuda()
+    kb, _, _, _, table = make_cache(rng, kind, [5, 1, 8], 2, 4, dtype, page_size=3)
+    lengths = np.array([3, 0, 6])
+    cls = numattn.PagedKVCache if kind == "paged" else numattn.ContinuousBatchingKVCache
+    host = cls(kb.copy(), lengths, table)
+    device = cls(cuda.to_device(kb), lengths, table)
+    offsets = np.array([0, 2, 3, 5])
+    rows = randn(rng, (5, 2, 4), np.float32)  # converted to the cache's dtype
+    numattn.store_kv(host, rows, offsets)
+    assert numattn.store_kv(device, rows, offsets) is device  # host rows, copied over
+    np.testing.assert_array_equal(device.blocks.copy_to_host(), host.blocks)
+    numattn.store_kv(device, cuda.to_device(rows * 2), offsets)  # device rows
+    numattn.store_kv(host, rows * 2, offsets)
+    np.testing.assert_array_equal(device.blocks.copy_to_host(), host.blocks)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_store_kv_refuses_device_caches_it_cannot_write(rng):
+    cuda = _cuda()
+    blocks = cuda.to_device(np.zeros((2, 4, 1, 4), np.int8))
+    cache = numattn.PagedKVCache(blocks, np.array([0]), np.array([[0, 1]]),
+                                 scales=(cuda.to_device(np.ones((2, 4, 1), np.float32))))
+    with pytest.raises(TypeError, match="device caches of float32 or float64"):
+        numattn.store_kv(cache, randn(rng, (1, 1, 4), np.float32), np.array([0, 1]))
+    assert (blocks.copy_to_host() == 0).all()
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_merge_states_on_the_device(rng):
+    cuda = _cuda()
+    outs = [randn(rng, (2, 3, 4, 8), np.float32) for _ in range(3)]
+    lses = [randn(rng, (2, 3, 4), np.float32) for _ in range(3)]
+    lses[1][0, 0, 0] = -np.inf  # an empty part
+    for part in lses:
+        part[1, 2, 3] = -np.inf  # a row empty in every part
+    want, want_lse = numattn.merge_states(outs, lses)
+    got, lse = numattn.merge_states([cuda.to_device(o) for o in outs[:2]] + outs[2:],
+                                    [cuda.to_device(x) for x in lses])
+    assert not isinstance(got, np.ndarray)  # the result stays on the device
+    assert_close(got.copy_to_host(), want, np.float32)
+    got_lse = lse.copy_to_host()
+    assert np.array_equal(np.isinf(got_lse), np.isinf(want_lse))
+    assert_close(got_lse[np.isfinite(want_lse)], want_lse[np.isfinite(want_lse)], np.float32,
+                 what="lse")
+    with pytest.raises(TypeError, match="float32 or float64"):
+        numattn.merge_states([cuda.to_device(np.zeros((2, 4), np.float16))],
+                             [cuda.to_device(np.zeros(2, np.float32))])
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_a_generation_loop_stays_on_the_device(rng):
+    """Prefill a ragged batch into a paged device cache (store_kv + flash), then decode three
+    tokens (store_kv + decode) with device queries: the same numbers as on the CPU."""
+    cuda = _cuda()
+    heads, kv_heads, head_dim, page_size = 2, 1, 4, 4
+    prompt_lens = np.array([3, 5])
+    table = np.array([[0, 2, 4], [1, 3, 5]])
+    blocks = np.full((6, page_size, kv_heads, head_dim), np.nan, np.float32)
+    caches = {}
+    for where in ("cpu", "cuda"):
+        kb = blocks.copy() if where == "cpu" else cuda.to_device(blocks)
+        vb = blocks.copy() if where == "cpu" else cuda.to_device(blocks)
+        caches[where] = [kb, vb]
+    prompt = randn(rng, (int(prompt_lens.sum()), heads, head_dim), np.float32)
+    new_k = randn(rng, (int(prompt_lens.sum()), kv_heads, head_dim), np.float32)
+    new_v = randn(rng, (int(prompt_lens.sum()), kv_heads, head_dim), np.float32)
+    offsets = np.array([0, 3, 8])
+    steps = [(randn(rng, (2, heads, head_dim), np.float32),
+              randn(rng, (2, kv_heads, head_dim), np.float32),
+              randn(rng, (2, kv_heads, head_dim), np.float32)) for _ in range(3)]
+    results = {}
+    for where, (kb, vb) in caches.items():
+        lengths = np.zeros(2, np.int64)
+        k = numattn.PagedKVCache(kb, lengths, table)
+        v = numattn.PagedKVCache(vb, lengths, table)
+        numattn.store_kv(k, new_k, offsets)
+        numattn.store_kv(v, new_v, offsets)
+        q = prompt if where == "cpu" else cuda.to_device(prompt)
+        out = numattn.flash_attention_kv_cache(q, k, v, CausalMask(), q_input_row_offsets=offsets)
+        outs = [out if where == "cpu" else out.copy_to_host()]
+        lengths = prompt_lens.copy()
+        for q1, k1, v1 in steps:
+            k = numattn.PagedKVCache(kb, lengths, table)
+            v = numattn.PagedKVCache(vb, lengths, table)
+            one = np.array([0, 1, 2])
+            numattn.store_kv(k, k1 if where == "cpu" else cuda.to_device(k1), one)
+            numattn.store_kv(v, v1 if where == "cpu" else cuda.to_device(v1), one)
+            q1 = q1 if where == "cpu" else cuda.to_device(q1)
+            out = numattn.decode_attention(q1, k, v, CausalMask())
+            outs.append(out if where == "cpu" else out.copy_to_host())
+            lengths = lengths + 1
+        results[where] = outs
+    for cpu_out, cuda_out in zip(results["cpu"], results["cuda"]):
+        assert_close(cuda_out, cpu_out, np.float32)
+
+
+def test_merge_and_store_kernels_compile_to_ptx(ptx_compiler):
+    from numba import types
+
+    from numattn.kernels.cuda import merge, store
+
+    for real in (types.float32, types.float64):
+        ptx_compiler(merge._merge_cuda_kernel,
+                     (real[:, :, :, ::1], real[:, :, ::1], real[:, :, ::1], real[::1]))
+        ptx_compiler(store._store_cuda_kernel,
+                     (real[:, :, :, ::1], types.int64[::1], types.int64[::1],
+                      types.float32[:, :, ::1]))
