@@ -6,8 +6,8 @@ themselves are made from the seed, so examples stay small and shrink well): the 
 ``store_kv``), the K/V input (plain arrays, a ``ContinuousBatchingKVCache``, or a
 ``PagedKVCache`` with its pages in random order, spare table entries holding sentinels and
 sequences crossing pages), the mask (every mask object, ``&`` / ``|`` trees of them,
-additive tensors of each rank, alone or combined; in float32 also a ``FunctionMask`` and
-the score modifiers ``alibi`` and ``softcap``), sinks, GQA groups of 1, 2, 3, 4 and 8,
+additive tensors of each rank, alone or combined; in float32 also a ``FunctionMask``, with
+and without the score modifier ``softcap``), sinks, GQA groups of 1, 2, 3, 4 and 8,
 partition counts, ``MHAConfig`` tile sizes and the dtype.  Edge cases come with them: empty
 batches and sequences, a single key, rows with no visible key, and NaN, inf or huge values
 in every cache slot that no token of the step uses (they must not reach the output; in some
@@ -65,7 +65,6 @@ from numattn import (
     NullMask,
     PagedKVCache,
     SlidingWindowCausalMask,
-    alibi,
     reference,
     softcap,
 )
@@ -136,7 +135,7 @@ class Problem:
     poison_used: bool = False  # one used K or V slot holds NaN as well
     return_lse: bool = True
     out: str | None = None  # None, "buffer", or "q" (in place)
-    functions: str | None = None  # None, "mask", "alibi", "mask+softcap" (float32 only)
+    functions: str | None = None  # None, "mask", "mask+softcap" (float32 only)
     seed: int = 0
 
     @property
@@ -177,8 +176,8 @@ def _common(draw, *, small=False):
                   threads_per_block=st.just(32)),
     ))
     dtype = draw(st.sampled_from(["float32", "float64"]))
-    # mask and score functions: float32 only, three combinations (each compiles kernels)
-    functions = draw(st.sampled_from([None] * 5 + ["mask", "alibi", "mask+softcap"]))
+    # mask and score functions: float32 only, two sets of functions (each compiles kernels)
+    functions = draw(st.sampled_from([None] * 5 + ["mask", "mask+softcap"]))
     return dict(
         dtype=dtype, functions=functions if dtype == "float32" else None,
         heads=kv_heads * group, kv_heads=kv_heads, head_dim=head_dim,
@@ -379,8 +378,6 @@ def _mask_arg(p, rng, dtype, rows, keys):
 def _score_mod(p, rng):
     if p.functions is None or p.functions == "mask":
         return None
-    if p.functions == "alibi":
-        return alibi(rng.uniform(0, 1, p.heads))
     return softcap(float(rng.choice([0.5, 5.0, 50.0])))
 
 
