@@ -42,7 +42,13 @@ def same_document(b, h, q_idx, kv_idx, doc_ids):
     return doc_ids[q_idx] == doc_ids[kv_idx]
 
 
-def _pairs(label, fns, repeat, target):
+def _pairs(label, call, variants, repeat, target):
+    """Time ``call(variant)`` for the two variants round by round (each called once first:
+    compiled or loaded) and print the ratio of the first to the second."""
+    fns = []
+    for variant in variants:
+        call(variant)
+        fns.append(lambda variant=variant: call(variant))
     (new, old) = interleaved_medians(fns, repeat=repeat)
     ratio = new / old
     verdict = "meets" if ratio <= target else "misses"
@@ -69,15 +75,8 @@ def bench_masks(repeat):
     ]
     print(f"Prefill B=1 H={H} Hkv={HKV} S=N={n} D={D} float32")
     for label, function, built_in in cases:
-        fns = []
-        for mask in (function, built_in):
-            numattn.flash_attention_kv_cache(q, k, v, mask, out=out)  # compile or load
-
-            def run(mask=mask):
-                numattn.flash_attention_kv_cache(q, k, v, mask, out=out)
-
-            fns.append(run)
-        _pairs(label, fns, repeat, 1.3)
+        _pairs(label, lambda mask: numattn.flash_attention_kv_cache(q, k, v, mask, out=out),
+               (function, built_in), repeat, 1.3)
 
 
 def bench_softcap(repeat):
@@ -90,17 +89,11 @@ def bench_softcap(repeat):
     v = rng.standard_normal((1, s, HKV, D), dtype=np.float32)
     out = np.empty_like(q)
     cap = numattn.softcap(50.0)
-    fns = []
-    for mod in (cap, None):
-        numattn.flash_attention_kv_cache(q, k, v, numattn.CausalMask(), score_mod=mod, out=out)
-
-        def run(mod=mod):
-            numattn.flash_attention_kv_cache(q, k, v, numattn.CausalMask(), score_mod=mod,
-                                             out=out)
-
-        fns.append(run)
     print(f"softcap(50): causal prefill B=1 S={s}, decode paged B=8 N=4096")
-    _pairs("prefill, softcap / none", fns, repeat, 1.15)
+    _pairs("prefill, softcap / none",
+           lambda mod: numattn.flash_attention_kv_cache(q, k, v, numattn.CausalMask(),
+                                                        score_mod=mod, out=out),
+           (cap, None), repeat, 1.15)
     batch, n, page = 8, 4096, 128
     pages = batch * n // page
     table = rng.permutation(pages).reshape(batch, n // page)
@@ -111,15 +104,9 @@ def bench_softcap(repeat):
                               lengths, table)
     qd = rng.standard_normal((batch, H, D), dtype=np.float32)
     outd = np.empty_like(qd)
-    fns = []
-    for mod in (cap, None):
-        numattn.decode_attention(qd, kc, vc, score_mod=mod, out=outd)
-
-        def run(mod=mod):
-            numattn.decode_attention(qd, kc, vc, score_mod=mod, out=outd)
-
-        fns.append(run)
-    _pairs("decode, softcap / none", fns, repeat, 1.05)
+    _pairs("decode, softcap / none",
+           lambda mod: numattn.decode_attention(qd, kc, vc, score_mod=mod, out=outd),
+           (cap, None), repeat, 1.05)
 
 
 COMPILE_CHILD = textwrap.dedent("""

@@ -81,59 +81,46 @@ def _check(got, single, expected, dtype):
         assert_close(g, e, dtype, what=f"{what} vs reference")
 
 
-def _flash_case(rng, mask_name, sinks, dtype=np.float32):
-    q, k, v, kd, vd = _sharded(rng, dtype)
+def _case(rng, mask_name, sinks, dtype=np.float32, *, decode=False):
+    """The sharded operation's (lazy) result, the single-process one and the reference."""
+    q, k, v, kd, vd = _sharded(rng, dtype, decode=decode)
     sink_weights = randn(rng, H, dtype) if sinks else None
     mask = MASKS[mask_name]
-    single = numattn.flash_attention_kv_cache(q, k, v, mask, sink_weights=sink_weights,
-                                              return_lse=True)
-    expected = reference.flash_attention_kv_cache(q.astype(np.float64), k.astype(np.float64),
-                                                  v.astype(np.float64), mask,
-                                                  sink_weights=sink_weights, return_lse=True)
-    result = nd.flash_attention_kv_cache(q, kd, vd, mask, sink_weights=sink_weights,
-                                         return_lse=True)
+    name = "decode_attention" if decode else "flash_attention_kv_cache"
+    single = getattr(numattn, name)(q, k, v, mask, sink_weights=sink_weights, return_lse=True)
+    expected = getattr(reference, name)(q.astype(np.float64), k.astype(np.float64),
+                                        v.astype(np.float64), mask, sink_weights=sink_weights,
+                                        return_lse=True)
+    result = getattr(nd, name)(q, kd, vd, mask, sink_weights=sink_weights, return_lse=True)
     assert all(isinstance(x, da.Array) for x in result)
-    return result, single, expected
-
-
-def _decode_case(rng, mask_name, sinks, dtype=np.float32):
-    q, k, v, kd, vd = _sharded(rng, dtype, decode=True)
-    sink_weights = randn(rng, H, dtype) if sinks else None
-    mask = MASKS[mask_name]
-    single = numattn.decode_attention(q, k, v, mask, sink_weights=sink_weights,
-                                      return_lse=True)
-    expected = reference.decode_attention(q.astype(np.float64), k.astype(np.float64),
-                                          v.astype(np.float64), mask,
-                                          sink_weights=sink_weights, return_lse=True)
-    result = nd.decode_attention(q, kd, vd, mask, sink_weights=sink_weights, return_lse=True)
     return result, single, expected
 
 
 @pytest.mark.parametrize("sinks", [False, True], ids=["no sinks", "sinks"])
 @pytest.mark.parametrize("mask_name", list(MASKS))
 def test_flash_on_worker_processes(client, rng, mask_name, sinks):
-    result, single, expected = _flash_case(rng, mask_name, sinks)
+    result, single, expected = _case(rng, mask_name, sinks)
     _check(_compute(result, client), single, expected, np.float32)
 
 
 @pytest.mark.parametrize("sinks", [False, True], ids=["no sinks", "sinks"])
 @pytest.mark.parametrize("mask_name", list(MASKS))
 def test_decode_on_worker_processes(client, rng, mask_name, sinks):
-    result, single, expected = _decode_case(rng, mask_name, sinks)
+    result, single, expected = _case(rng, mask_name, sinks, decode=True)
     _check(_compute(result, client), single, expected, np.float32)
 
 
 @pytest.mark.parametrize("mask_name", ["causal", "or"])
 def test_threaded_scheduler(rng, mask_name):
-    for case in (_flash_case, _decode_case):
-        result, single, expected = case(rng, mask_name, True)
+    for decode in (False, True):
+        result, single, expected = _case(rng, mask_name, True, decode=decode)
         _check(_compute(result, None), single, expected, np.float32)
 
 
 @pytest.mark.slow
 def test_float64(client, rng):
-    for case in (_flash_case, _decode_case):
-        result, single, expected = case(rng, "window", True, np.float64)
+    for decode in (False, True):
+        result, single, expected = _case(rng, "window", True, np.float64, decode=decode)
         got = _compute(result, client)
         assert got[0].dtype == np.float64 and got[1].dtype == np.float64
         _check(got, single, expected, np.float64)

@@ -301,9 +301,17 @@ def _name(fn):
     return getattr(fn, "__qualname__", repr(fn))
 
 
+#: ``(function digest, argument types)`` that :func:`_check_compiles` has passed.
+_CHECKED = set()
+
+
 def _check_compiles(kind, fn, position_types, capture_types, returns):
-    """Compile ``fn`` for the CPU with these argument types, or raise ``TypeError``."""
+    """Compile ``fn`` for the CPU with these argument types, or raise ``TypeError`` (once per
+    function and types: later calls find them in :data:`_CHECKED`)."""
     signature = tuple(position_types) + tuple(capture_types)
+    key = (_digest(fn), signature)
+    if key in _CHECKED:
+        return
     dispatcher = _cpu_binding(fn)
     try:
         dispatcher.compile(signature)
@@ -317,6 +325,7 @@ def _check_compiles(kind, fn, position_types, capture_types, returns):
     if not isinstance(result, returns):
         raise TypeError(f"{kind} function {_name(fn)} must return a "
                         f"{'bool' if kind == 'FunctionMask' else 'number'}, returns {result}")
+    _CHECKED.add(key)
 
 
 #: The bodies and kernel specializations of user functions, by what their compiled code
@@ -356,7 +365,11 @@ def _cpu_binding(fn):
 
 def _reads_argument(fn, position):
     """Whether ``fn`` reads its argument ``position`` (else no value of it matters)."""
-    code = fn.__code__
+    return _code_reads_argument(fn.__code__, position)
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_reads_argument(code, position):
     if position >= code.co_argcount:
         return False
     name = code.co_varnames[position]
