@@ -79,6 +79,8 @@ def _attend(q, keys, values, q_pos, rows, b, mask, scale, sink_weights, score_mo
         for head in range(h):
             kv = head // group
             scores = scale * (q[:, head, :] @ keys[:, kv, :].T)  # [S, N]
+            # a score of -inf reads inf in q or k: NaN, not a key of weight 0
+            scores[scores == -np.inf] = np.nan
             if score_mod is not None:
                 for i, j in np.ndindex(scores.shape):
                     scores[i, j] = score_mod(scores[i, j], b, head, int(q_pos[i]), j)

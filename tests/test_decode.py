@@ -228,6 +228,29 @@ def test_nan_in_a_visible_key_propagates_to_its_heads_only(device, rng):
         assert np.all(np.isfinite(out[1, 2:]))
 
 
+# The simulator warns at -inf - -inf (a GPU gives NaN quietly).
+@pytest.mark.filterwarnings("ignore:.*invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inf_in_a_visible_key_makes_its_rows_nan(device, rng, dtype):
+    """A visible key holding +inf scores -inf against a negative query: the rows that read it
+    return NaN in out and lse (never 0 and -inf, the "no visible key" pair), whether it is
+    one key among finite ones or every key, in every partition; other heads stay finite."""
+    q = -np.abs(randn(rng, (2, 4, 8), dtype))
+    k = randn(rng, (2, 9, 2, 8), dtype)
+    v = randn(rng, (2, 9, 2, 8), dtype)
+    k[0, 5, 1] = np.inf  # sequence 0, KV head 1 (query heads 2 and 3): one key of nine
+    k[1, :, 0] = np.inf  # sequence 1, KV head 0 (query heads 0 and 1): every key
+    for parts in (1, 3):
+        out, lse = decode_attention(q, k, v, num_partitions=parts, device=device, config=SMALL,
+                                    return_lse=True)
+        want, want_lse = numattn.reference.decode_attention(q, k, v, return_lse=True)
+        for b, heads in ((0, slice(2, 4)), (1, slice(0, 2))):
+            assert np.isnan(out[b, heads]).all() and np.isnan(lse[b, heads]).all()
+        assert np.isfinite(out[0, :2]).all() and np.isfinite(out[1, 2:]).all()
+        assert_close(out, want, dtype)
+        assert_close(lse, want_lse, dtype, what="lse")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["none", "window", "additive", "window_and_additive"])
 def test_nan_in_a_visible_value_propagates_when_its_weight_underflows(dtype, kind, device,
@@ -617,21 +640,21 @@ def test_out_may_be_q_k_or_v_but_not_the_sinks(rng):
 
 # The simulator multiplies NumPy scalars, which warn at 0 * inf (a GPU gives NaN quietly).
 @pytest.mark.filterwarnings("ignore:.*invalid value encountered:RuntimeWarning")
-def test_a_partition_of_zero_weights_still_carries_nan(device, rng):
-    """Keys 4..7 are visible but score -inf (K holds +inf, q is negative there), and V of
-    key 6 holds inf: its weight 0 times inf is NaN, whether or not split-K gives those keys
-    a partition of their own (whose state then has m = -inf)."""
+def test_a_partition_of_minus_inf_scores_carries_nan(device, rng):
+    """Keys 4..7 are visible but score -inf (K holds +inf, q is negative there): every row
+    reads inf, so out and lse are NaN, whether or not split-K gives those keys a partition
+    of their own (whose state must then outweigh the finite partition's in the merge)."""
     q = randn(rng, (1, 2, 4), np.float32)
     q[:, :, 0] = -1.0
     k = randn(rng, (1, 8, 1, 4), np.float32)
     v = randn(rng, (1, 8, 1, 4), np.float32)
     k[0, 4:, 0, 0] = np.inf
-    v[0, 6, 0, 2] = np.inf
-    ref = numattn.reference.decode_attention(q, k, v)
-    assert np.isnan(ref[..., 2]).all() and np.isfinite(ref[..., [0, 1, 3]]).all()
+    ref, ref_lse = numattn.reference.decode_attention(q, k, v, return_lse=True)
+    assert np.isnan(ref).all() and np.isnan(ref_lse).all()
     for parts in (1, 2):
-        out = decode_attention(q, k, v, num_partitions=parts, device=device, config=SMALL)
-        assert_close(out, ref, np.float32, what=f"{parts} partitions")
+        out, lse = decode_attention(q, k, v, num_partitions=parts, device=device, config=SMALL,
+                                    return_lse=True)
+        assert np.isnan(out).all() and np.isnan(lse).all(), f"{parts} partitions"
 
 
 def test_errors_write_nothing(rng):

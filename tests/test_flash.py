@@ -304,6 +304,21 @@ def test_nan_scores_of_either_sign_propagate(device, rng, dtype):
         assert np.isfinite(out[0, 0, 1]).all() and np.isfinite(out[0, 1:]).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_inf_in_a_visible_key_makes_the_rows_that_see_it_nan(device, rng, dtype):
+    """Key 2 holds +inf and the queries are negative: its score is -inf.  Rows that see it
+    (causal: queries 2 and up) return NaN in out and lse, with or without sinks; rows
+    before it are untouched."""
+    q = -np.abs(randn(rng, (1, 5, 2, 4), dtype))
+    k = randn(rng, (1, 5, 1, 4), dtype)
+    v = randn(rng, (1, 5, 1, 4), dtype)
+    k[0, 2] = np.inf
+    for sinks in (None, np.array([0.5, -1.0], dtype)):
+        out, lse = _check(device, rng, q, k, v, CausalMask(), dtype, sinks=sinks)
+        assert np.isnan(out[0, 2:]).all() and np.isnan(lse[0, 2:]).all()
+        assert np.isfinite(out[0, :2]).all() and np.isfinite(lse[0, :2]).all()
+
+
 @pytest.mark.parametrize("form", ["materialized", "plain", "and_causal"])
 def test_additive_minus_inf_hides_nan_and_inf_keys(device, rng, form):
     """-inf in an additive mask hides a key even when its K row holds NaN or inf (the score

@@ -37,7 +37,7 @@ from ...core.masks import TILE_FULL, TILE_NONE, TILE_PARTIAL
 from ...core.validate import row_counts
 from ..shared.masks import add_bias, mask_tile_status, mask_visible, visible_span
 from ..shared.paging import kv_page_slot
-from ..shared.scores import modified_score
+from ..shared.scores import modified_score, read_score
 from ..shared.softmax import accumulate, finish_row
 from .function_tiles import with_tile_tables
 from .schedule import zigzag_schedule
@@ -352,6 +352,9 @@ def _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k
     values = v_tile[ka * head_dim: kb * head_dim].reshape(nk, head_dim)
     scores = s_buf[: rows * nk].reshape(rows, nk)
     np.dot(q_rows, keys.T, scores)
+    for i in range(rows):
+        for j in range(nk):
+            scores[i, j] = read_score(scores[i, j])
     n_hm = additive.shape[1]
     h0 = kv_head * group
     if functions[2]:  # the score modifier

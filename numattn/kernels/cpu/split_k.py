@@ -27,7 +27,7 @@ from ...core.validate import row_counts
 from ..shared.masks import key_bias, mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
 from ..shared.partitions import MIN_TILES_PER_PARTITION, partition_bounds, partition_count
-from ..shared.scores import modified_score
+from ..shared.scores import modified_score, read_score
 from ..shared.softmax import merge_partials
 from ..shared.storage import stored_value
 from . import simd
@@ -385,6 +385,9 @@ def _decode_partitions_cpu(queries, kv, mask, functions, scale, tiling, schedule
                              kv_format, scores)
                 if has_scales:  # q . (k s) = (q . k) s
                     _scale_keys(scores, k_scales, pages, slots, n, kv_rows)
+                for r in range(num_rows):
+                    for i in range(n):
+                        scores[r, i] = read_score(scores[r, i])
                 if has_score_mod:
                     for r in range(num_rows):
                         s = r % kv_rows // group

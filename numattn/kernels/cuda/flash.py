@@ -22,7 +22,7 @@ from ...core.masks import TILE_FULL, TILE_NONE
 from ...core.validate import dtype_of, row_counts, shape_of, spans_overlap
 from ..shared.masks import mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
-from ..shared.scores import modified_score
+from ..shared.scores import modified_score, read_score
 from ..shared.softmax import accumulate, finish_row, key_weight, max_nan, rescale_factor
 from ..shared.storage import stored_value
 from .split_k import device_functions, device_scales
@@ -271,7 +271,7 @@ def _tile_scores_cuda(q, k_rows, page_size, lookup_table, row_base, k_scales, kv
                                 k_rows[row, kv_head, d], kv_format, q)
                     if has_scales:  # q . (k s) = (q . k) s
                         dot *= k_scales[row, kv_head]
-                    score = dot * scale
+                    score = read_score(dot * scale)
                     if has_score_mod:
                         score = modified_score(functions, score, b, h, q0 + r, key)
                     scores[i * block_k + j] = score + bias

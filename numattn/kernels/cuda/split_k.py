@@ -19,7 +19,7 @@ from ...core.validate import shape_of
 from ..shared.masks import key_bias, key_hidden, mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
 from ..shared.partitions import partition_bounds, partition_count
-from ..shared.scores import modified_score
+from ..shared.scores import modified_score, read_score
 from ..shared.softmax import (
     accumulate,
     key_weight,
@@ -257,7 +257,7 @@ def _tile_scores_cuda(q, k_blocks, page_size, lookup_table, row_base, k_scales, 
                         base = red + g * threads + ks * CUDA_DOT_LANES
                         for ln in range(CUDA_DOT_LANES):
                             dot += shared[base + ln]
-                        s = dot * scale
+                        s = read_score(dot * scale)
                         if functions[2]:  # the score modifier
                             s = modified_score(functions, s, b, h0 + g, q_idx, k0 + i)
                         s += bias

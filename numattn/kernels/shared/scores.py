@@ -1,11 +1,14 @@
-"""Score modifiers in the kernels (CPU and CUDA): :func:`modified_score`.
+"""Scores in the kernels (CPU and CUDA): :func:`read_score` and :func:`modified_score`.
 
-The plain kernels leave scores as they are; the kernels specialized for a call's
+Every kernel passes each scaled score ``q . k`` through :func:`read_score`; the plain
+kernels leave it at that, and the kernels specialized for a call's
 :class:`~numattn.core.functions.ScoreMod` replace ``_score_mod`` by a body that calls its
 function (:mod:`numattn.core.functions`).
 """
 
 from __future__ import annotations
+
+import math
 
 from ...core.jit import body
 
@@ -24,3 +27,12 @@ def modified_score(functions, score, b, h, q_idx, k_idx):
     # b and the positions shifted by the offsets of a shard (numattn.dask), as masks see them
     return _score_mod(functions, score, b + functions[4], h, q_idx + functions[5],
                       k_idx + functions[6])
+
+
+@body
+def read_score(score):
+    """The scaled score ``q . k`` as the softmax reads it: ``-inf`` (inf in the query or the
+    key, or an overflow) becomes NaN, so the row reports NaN in ``out`` and ``lse`` rather
+    than the "no visible key" pair; masks, additive ``-inf`` and score modifiers still give
+    keys a weight of exactly 0."""
+    return score - score if score == -math.inf else score
