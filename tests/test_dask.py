@@ -207,14 +207,16 @@ def test_merges_form_a_tree_of_pairs(rng):
                      numattn.decode_attention(q, k, v).astype(np.float64), tol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:Sending large graph:UserWarning")  # 64 MiB of K/V, once
 def test_kv_chunks_stay_where_they_live(client, rng):
     """With K/V persisted on the workers, a step's tasks run where the chunks live: it moves
-    partial states and queries, not the cache (Dask's scheduler may still fetch a few
-    chunks for balance on a busy machine: up to 4 of 16 were seen; gathering K/V would move
-    at least half of them)."""
-    q = randn(rng, (2, H, D), np.float32)
-    k, v = randn(rng, (2, 4096, HKV, D), np.float32), randn(rng, (2, 4096, HKV, D), np.float32)
-    chunks = (1, 1024, HKV, D)
+    partial states and queries, not the cache.  Dask's scheduler weighs a chunk's transfer
+    time against the workers' queues: chunks of 4 MiB keep their tasks in place on a busy
+    machine, where chunks of 64 KiB were fetched for balance (up to half of them seen)."""
+    heads, kv_heads, head_dim = 16, 8, 128
+    q = randn(rng, (2, heads, head_dim), np.float32)
+    k, v = (randn(rng, (2, 4096, kv_heads, head_dim), np.float32) for _ in range(2))
+    chunks = (1, 1024, kv_heads, head_dim)
     # chunk (b, n) of K and of V on one worker, as a cache sharded by sequence and position
     # would be (persisted apart, they could land on different workers, and a task would
     # fetch one of them)
@@ -238,7 +240,7 @@ def test_kv_chunks_stay_where_they_live(client, rng):
     before = sum(client.run(received).values())
     got = nd.decode_attention(q, kd, vd, CausalMask()).compute()
     moved = sum(client.run(received).values()) - before
-    assert moved < (k.nbytes + v.nbytes) / 2, moved
+    assert moved < (k.nbytes + v.nbytes) / 8, moved  # less than two of the 16 chunks
     assert_close(got, single.astype(np.float64), tol=1e-5)
 
 
