@@ -132,9 +132,11 @@ class ContinuousBatchingKVCache(_CacheBase):
     blocks : ndarray, shape [num_blocks, max_seq_len, Hkv, D]
         Key (or value) storage in any K/V dtype (float64, float32, float16, bfloat16,
         float8_e4m3fn, float8_e5m2, int8 with ``scales``): a NumPy or CUDA device array,
-        never copied (:func:`store_kv` writes into it).  A view whose blocks are evenly strided,
-        such as the K half of a fused ``[num_blocks, 2, max_seq_len, Hkv, D]`` pool, is read
-        in place; other non-contiguous layouts are copied on every call.
+        never copied (:func:`store_kv` writes into it).  A NumPy view whose rows of ``D``
+        are contiguous is read in place through its strides: head-major blocks
+        ``[num_blocks, Hkv, max_seq_len, D]`` given as ``blocks.swapaxes(1, 2)``, the K half
+        of a fused ``[num_blocks, 2, max_seq_len, Hkv, D]`` pool.  Only a view whose last
+        axis is strided is copied, on every call ("Layouts" in the concepts page).
     cache_lengths : int array or sequence of ints, shape [B]
         Tokens cached for each sequence *before* this step.  A list or tuple is stored as
         an int64 array; an array is kept as given.
@@ -184,9 +186,12 @@ class PagedKVCache(_CacheBase):
     blocks : ndarray, shape [num_pages, page_size, Hkv, D]
         Key (or value) pages in any K/V dtype (float64, float32, float16, bfloat16,
         float8_e4m3fn, float8_e5m2, int8 with ``scales``): a NumPy or CUDA device array,
-        never copied (:func:`store_kv` writes into it).  A view whose pages are evenly strided,
-        such as the K half of a fused ``[pages, 2, page_size, Hkv, D]`` pool, is read in
-        place; other non-contiguous layouts are copied on every call.
+        never copied (:func:`store_kv` writes into it).  A NumPy view whose rows of ``D``
+        are contiguous is read in place through its strides: head-major pages
+        ``[num_pages, Hkv, page_size, D]`` (vLLM's and FlashInfer's HND layout) given as
+        ``pages.swapaxes(1, 2)``, the K half of a fused ``[pages, 2, page_size, Hkv, D]``
+        pool.  Only a view whose last axis is strided is copied, on every call ("Layouts" in
+        the concepts page).
     cache_lengths : int array or sequence of ints, shape [B]
         Tokens cached for each sequence *before* this step.  A list or tuple is stored as
         an int64 array; an array is kept as given.
@@ -284,12 +289,6 @@ NO_SCALES = np.ones((0, 0, 0), dtype=np.float32)
 NO_SCALES.flags.writeable = False
 
 
-def _contiguous(x):
-    if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x)
-    return x
-
-
 def _page_view(blocks):
     """``(pages, step)``: a C-contiguous array whose page ``p * step`` is page ``p`` of the
     4-d ``blocks``, sharing its memory when only the page stride is uneven, as in the K or
@@ -298,6 +297,11 @@ def _page_view(blocks):
 
     The view spans exactly the bytes from the first page of ``blocks`` to the end of its
     last one, all inside the array ``blocks`` is a view of, and is read-only.
+
+    Other layouts whose rows of ``D`` are contiguous (head-major ``[pages, Hkv, page_size,
+    D]`` seen through ``swapaxes(1, 2)``, torch's ``[B, Hkv, N, D]`` transposed) are
+    returned as they are, step 1: the kernels read them through their strides (a strided
+    compile of each kernel).  Only a layout whose last axis is not contiguous is copied.
     """
     if not isinstance(blocks, np.ndarray) or blocks.flags.c_contiguous:
         return blocks, 1
@@ -311,17 +315,30 @@ def _page_view(blocks):
             blocks, shape=((num_pages - 1) * step + 1, page_size, heads, dim),
             strides=(page_bytes, *blocks.strides[1:]), writeable=False)
         return view, step
-    return np.ascontiguousarray(blocks), 1
+    return _as_strided_pages(blocks), 1
+
+
+def strided_rows(blocks):
+    """Whether the kernels read 4-d ``blocks`` in place through its strides: its rows of
+    ``D`` are contiguous (the vector loads read them whole)."""
+    return blocks.ndim == 4 and (blocks.shape[3] <= 1 or blocks.strides[3] == blocks.itemsize)
 
 
 def _paged_views(k_blocks, v_blocks):
     """K and V pages for the kernels and the page step they share (see :func:`_page_view`);
-    K and V with different page strides are both copied (step 1)."""
+    K and V with different page strides are read through their strides (step 1), or
+    copied where their rows of ``D`` are not contiguous."""
     k_pages, k_step = _page_view(k_blocks)
     v_pages, v_step = _page_view(v_blocks)
     if k_step != v_step:
-        return _contiguous(k_blocks), _contiguous(v_blocks), 1
+        return _as_strided_pages(k_blocks), _as_strided_pages(v_blocks), 1
     return k_pages, v_pages, k_step
+
+
+def _as_strided_pages(blocks):
+    if not isinstance(blocks, np.ndarray) or strided_rows(blocks):
+        return blocks
+    return np.ascontiguousarray(blocks)
 
 
 def _check_pair(k, v):
@@ -400,10 +417,12 @@ def kv_storage(k, v):
         k_pages, v_pages, step = k_blocks, v_blocks, 1  # the common case
     elif isinstance(k, KVCache) or len(k.shape) == 4:
         k_pages, v_pages, step = _paged_views(k_blocks, v_blocks)
+    elif type(k_blocks) is np.ndarray and type(v_blocks) is np.ndarray:
+        k_pages, v_pages, step = _paged_views(k_blocks[None], v_blocks[None])  # one page
     else:
         t, hkv, d = shape_of(k)
-        k_pages = _contiguous(k).reshape(1, t, hkv, d)
-        v_pages = _contiguous(v).reshape(1, t, hkv, d)
+        k_pages = k.reshape(1, t, hkv, d)  # device rows (C-contiguous)
+        v_pages = v.reshape(1, t, hkv, d)
         step = 1
     if dtype_of(k_pages) not in FLOAT_DTYPES:
         k_pages, v_pages = kernel_view(k_pages), kernel_view(v_pages)

@@ -20,7 +20,7 @@ attended as sequences of their own lengths.
 :class:`~numattn.PagedKVCache` pages (token-major, as numattn reads them) and writes each
 step's new rows with :func:`~numattn.store_kv`, so that generation reads the cache in place.
 With transformers' own ``DynamicCache`` (head-major ``[B, Hkv, N, D]``) numattn reads a
-transposed view, which it copies on every call.
+transposed view in place, through its strides.
 
 Refused with an error naming the option (never computed differently): dropout, gradients
 (numattn has no backward pass), tensors that are not CPU tensors of float32, float64,
@@ -454,7 +454,7 @@ def _attend_dense(query, key, value, attention_mask, mask, scale, sinks, score_m
     b, h, s, d = query.shape
     n = key.shape[2]
     q = _host("query", query).transpose(0, 2, 1, 3)  # [B, S, H, D]
-    k = _host("key", key).transpose(0, 2, 1, 3)  # [B, N, Hkv, D], copied inside numattn
+    k = _host("key", key).transpose(0, 2, 1, 3)  # [B, N, Hkv, D], read through its strides
     v = _host("value", value).transpose(0, 2, 1, 3)
     if attention_mask is not None and attention_mask.ndim == 4:
         additive = _additive_4d(attention_mask, (b, h, s, n), dtype)

@@ -198,7 +198,10 @@ def prefetch_row(blocks, page, slot, num_lines):
     """Ask the CPU to start loading the first ``num_lines`` 64-byte lines (at most a row's
     worth) of the :data:`PREFETCH_PAGE_BYTES` page that holds the start of row
     ``blocks[page, slot]``: the page a stream of rows enters next, wherever in it the row
-    starts (a hint, which never faults: nothing happens in plain Python)."""
+    starts (a hint, which never faults: nothing happens in plain Python).  Nothing for
+    strided (head-major) ``blocks``, where each KV head's rows are a stream of their own
+    that the hardware prefetcher follows (decode with hints of each head's page: 1.17x
+    the time of token-major; without: 1.14x)."""
 
 
 def prefetch_head(blocks, page, slot, head):

@@ -623,6 +623,8 @@ def prefetch_row_intrinsic():
 
         def codegen(context, builder, signature, args):
             blocks_ty = signature.args[0]
+            if blocks_ty.layout != "C":
+                return context.get_dummy_value()  # strided (head-major): no hint
             blocks_v, page_v, slot_v, lines_v = args
             row = row_pointer(context, builder, blocks_ty, blocks_v,
                               [page_v, slot_v, const(0), const(0)])
