@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core.device import is_device_array, require_cuda
+from .core.device import check_stream, is_device_array, require_cuda
 from .core.dtypes import lse_dtype
 from .core.interop import as_arrays
 from .core.masks import NullMask
@@ -38,7 +38,7 @@ RULES = OperationRules(queries_at_start=True, dense_kv_prefix=True, any_cache_wh
 
 def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_offsets,
                     mask=NO_MASK, scale=None, *, score_mod=None, device="auto", out=None,
-                    return_lse=False, config=None):
+                    return_lse=False, config=None, stream=None):
     """Attention of ragged queries over ragged K/V rows or a KV cache, with ``q_idx = r``.
 
     Sequence ``b`` owns query rows ``q_input_row_offsets[b]:q_input_row_offsets[b + 1]``
@@ -78,6 +78,11 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
     device : {"auto", "cpu", "cuda"}, default "auto"
         ``"auto"`` runs on CUDA when an input is a device array.  Device arrays are used in
         place; NumPy inputs with ``device="cuda"`` are copied over and the result back.
+    stream : numba.cuda stream, optional
+        For a call that runs on CUDA: the stream its copies and kernels are queued on
+        (``None``: the default stream).  Results on the device are ready in that stream's
+        order (the call returns without waiting); results on the host are complete when it
+        returns.  A stream with a call that runs on the CPU is a ``ValueError``.
     out : array [T, H, D], optional
         Written in place and returned (C-contiguous, ``q``'s dtype or float32).  It must
         not share
@@ -136,13 +141,14 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
         kv_offsets=kv_input_row_offsets, q_max_seq_len=q_max_seq_len, out=out,
         return_lse=return_lse, config=config, device=device, score_mod=score_mod,
     )
+    stream = check_stream(stream, problem.device)
     if problem.q_offsets.shape[0] == 1:  # no sequence: return at once, out untouched
         return _empty_result(problem)
     if problem.device == "cuda":
         from .kernels.cpu.function_tiles import with_tile_tables
         from .kernels.cuda.flash import run_flash_cuda
 
-        result, lse = run_flash_cuda(with_tile_tables(problem))
+        result, lse = run_flash_cuda(with_tile_tables(problem), stream)
     else:
         from .kernels.cpu.flash import run_flash_cpu
 

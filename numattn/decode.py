@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .core.config import resolve_config
-from .core.device import resolve_device
+from .core.device import check_stream, require_cuda, resolve_device
 from .core.interop import as_arrays
 from .core.kv_cache import KVCache, PlannedKV
 from .core.masks import NullMask, as_mask, compile_mask, mask_functions
@@ -47,7 +47,7 @@ RULES = OperationRules(queries_at_start=False, dense_kv_prefix=False,
 
 def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
                      score_mod=None, num_partitions=None, device="auto", out=None,
-                     return_lse=False, config=None, _positions=None):
+                     return_lse=False, config=None, stream=None, _positions=None):
     """Attention of one new query token per sequence over its KV cache (split-K).
 
     The new token's K and V rows are already in the cache, so sequence ``b`` attends over
@@ -83,6 +83,11 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
         ``"auto"`` runs on CUDA when an input is a device array.  With ``"cuda"``, NumPy
         inputs are copied to the GPU and the results back; device arrays are used in place
         and the results stay on the device.
+    stream : numba.cuda stream, optional
+        For a call that runs on CUDA: the stream its copies and kernels are queued on
+        (``None``: the default stream).  Results on the device are ready in that stream's
+        order (the call returns without waiting); results on the host are complete when it
+        returns.  A stream with a call that runs on the CPU is a ``ValueError``.
     out : ndarray, shape [B, H, D], optional
         Written in place and returned (C-contiguous, the queries' dtype or float32), once
         every key has
@@ -141,7 +146,7 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
                                 sink_weights=sink_weights, out=out, return_lse=return_lse,
                                 config=config, device=device, positions=_positions,
                                 score_mod=score_mod)
-    result, lse = _run(problem, num_partitions, None)
+    result, lse = _run(problem, num_partitions, None, check_stream(stream, problem.device))
     return (result, lse) if return_lse else result
 
 
@@ -190,6 +195,8 @@ class DecodePlan:
     one.  It does not notice tables changed in place after it was made: its runs then keep
     computing the step it was made for (they never read outside the pages).  The split of
     the work among threads is fixed when the plan is made, from the number of threads then.
+    On CUDA the step's tables and mask go to the device at the first run and serve every
+    later one: a run transfers no table.
 
     Examples
     --------
@@ -236,6 +243,7 @@ class DecodePlan:
         self._step = step._replace(layout=self._kv.layout)
         self._batch = batch
         self._launch = self._run_cpu = None
+        self._device_tables = None  # the step's tables on the GPU, at the first CUDA run
         if device != "cuda" and isinstance(step.layout.k_blocks, np.ndarray):
             self._cpu_launch(step.layout)
 
@@ -251,6 +259,17 @@ class DecodePlan:
                                          self._num_partitions)
         return self._launch
 
+    def _cuda_tables(self, layout):
+        """The step's cache tables and mask program on the device, copied at the first CUDA
+        run and used by every later one (no per-layer transfer)."""
+        if self._device_tables is None:
+            from .kernels.cuda.split_k import step_tables_to_device
+
+            cuda = require_cuda()
+            self._device_tables = step_tables_to_device(layout, self._step.mask.program,
+                                                        cuda.to_device)
+        return self._device_tables
+
     def _check_queries(self, q):
         """Refuse queries that are not ``[B, H, D]`` of the plan's dtype and batch."""
         check_array("q", q, ndim=3)
@@ -264,7 +283,8 @@ class DecodePlan:
             raise ValueError(f"q must have a head dimension D >= 1, got shape "
                              f"{list(shape_of(q))}")
 
-    def run(self, q, k, v, *, scale=None, sink_weights=None, out=None, return_lse=False):
+    def run(self, q, k, v, *, scale=None, sink_weights=None, out=None, return_lse=False,
+            stream=None):
         """Decode attention of one layer.
 
         Parameters
@@ -273,7 +293,7 @@ class DecodePlan:
             The layer's queries, of the plan's dtype.
         k, v : caches or arrays
             The layer's keys and values, as the plan's (see :class:`DecodePlan`).
-        scale, sink_weights, out, return_lse
+        scale, sink_weights, out, return_lse, stream
             As :func:`decode_attention` takes them.
 
         Returns
@@ -307,23 +327,26 @@ class DecodePlan:
             device = resolve_device(self._device, [q, layout.k_blocks, layout.v_blocks, out,
                                                    sink_weights, step.mask.additive])
         problem = layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device)
+        stream = check_stream(stream, device)
         if device == "cuda":
-            result, lse = _run(problem, self._num_partitions, None)
+            result, lse = _run(problem, self._num_partitions, None, stream,
+                               self._cuda_tables(layout))
         else:
             launch = self._launch or self._cpu_launch(layout)
             result, lse = finish_result(problem, *self._run_cpu(problem, launch))
         return (result, lse) if return_lse else result
 
 
-def _run(problem, num_partitions, launch):
+def _run(problem, num_partitions, launch, stream=0, device_tables=None):
     """Run a checked problem on its device; on the CPU as ``launch`` says (``None``: as
-    :func:`~numattn.kernels.cpu.split_k.decode_launch` says for it).  Returns ``(out, lse)``."""
+    :func:`~numattn.kernels.cpu.split_k.decode_launch` says for it), on CUDA queued on
+    ``stream`` (with a plan's ``device_tables``, if any).  Returns ``(out, lse)``."""
     if problem.device == "cuda":
         from .kernels.cpu.function_tiles import with_tile_tables
         from .kernels.cuda.split_k import run_decode_cuda
 
         return finish_result(problem, *run_decode_cuda(with_tile_tables(problem),
-                                                       num_partitions))
+                                                       num_partitions, stream, device_tables))
     from .kernels.cpu.split_k import decode_launch, run_decode_cpu
 
     if launch is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .core.config import resolve_config
+from .core.device import check_stream
 from .core.interop import as_arrays
 from .core.kv_cache import KVCache, PlannedKV
 from .core.masks import as_mask, compile_mask, mask_functions
@@ -50,7 +51,7 @@ RULES = OperationRules(queries_at_start=False, dense_kv_prefix=False,
 def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=None,
                              kv_input_row_offsets=None, sink_weights=None, score_mod=None,
                              out=None, return_lse=False, config=None, device="auto",
-                             _positions=None):
+                             stream=None, _positions=None):
     """Attention of new query tokens over a KV cache, on the CPU (flash attention).
 
     Query row ``r`` of sequence ``b`` sits at position
@@ -103,6 +104,11 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         ``"auto"`` runs on CUDA when an input is a device array (C-contiguous there).  With
         ``"cuda"``, NumPy inputs are copied to the GPU and the results back; device arrays
         are used in place and the results stay on the device.
+    stream : numba.cuda stream, optional
+        For a call that runs on CUDA: the stream its copies and kernels are queued on
+        (``None``: the default stream).  Results on the device are ready in that stream's
+        order (the call returns without waiting); results on the host are complete when it
+        returns.  A stream with a call that runs on the CPU is a ``ValueError``.
     _positions : (int, int) or (int, int, int), optional
         Internal (:mod:`numattn.dask`): ``(q_offset, k_offset)`` added to the query and key
         positions the mask and score functions see, when ``k`` and ``v`` are a shard of
@@ -147,12 +153,13 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         return_lse=return_lse, config=config, device=device, positions=_positions,
         score_mod=score_mod,
     )
+    stream = check_stream(stream, problem.device)
     if problem.device == "cuda":
         # kernel modules load at the first call; the function tile tables are made on the CPU
         from .kernels.cpu.function_tiles import with_tile_tables
         from .kernels.cuda.flash import run_flash_cuda
 
-        result, lse = run_flash_cuda(with_tile_tables(problem))
+        result, lse = run_flash_cuda(with_tile_tables(problem), stream)
     else:
         from .kernels.cpu.flash import run_flash_cpu
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core.device import is_device_array, require_cuda
+from .core.device import check_stream, is_device_array, require_cuda
 from .core.interop import as_array
 from .core.kv_cache import (
     ContinuousBatchingKVCache,
@@ -25,7 +25,7 @@ from .core.validate import (
 __all__ = ["ContinuousBatchingKVCache", "PagedKVCache", "store_kv"]
 
 
-def store_kv(cache, new_rows, input_row_offsets):
+def store_kv(cache, new_rows, input_row_offsets, *, stream=None):
     """Write this step's new K (or V) rows into a cache, after its cached tokens.
 
     Row ``i`` of sequence ``b`` (``new_rows[input_row_offsets[b] + i]``) is stored at token
@@ -48,6 +48,10 @@ def store_kv(cache, new_rows, input_row_offsets):
         theirs.
     input_row_offsets : int array, shape [B + 1]
         Sequence ``b`` owns rows ``input_row_offsets[b]:input_row_offsets[b + 1]``.
+    stream : numba.cuda stream, optional
+        For a device cache: the stream the copies and the kernel are queued on (``None``:
+        the default stream).  The write is then asynchronous: later work on that stream
+        sees it; synchronize before reading the cache from another stream or the host.
 
     Returns
     -------
@@ -61,7 +65,8 @@ def store_kv(cache, new_rows, input_row_offsets):
         for ``cache_lengths`` near the int64 limit) or on a page index out of range, or if
         shapes disagree.
     TypeError
-        If ``cache`` is not a cache or ``new_rows`` is not of a float dtype.
+        If ``cache`` is not a cache, ``new_rows`` is not of a float dtype or ``stream`` is
+        not a stream (a ``ValueError`` if given with a host cache).
 
     Examples
     --------
@@ -81,6 +86,7 @@ def store_kv(cache, new_rows, input_row_offsets):
         )
     new_rows = as_array("new_rows", new_rows)
     on_device = is_device_array(cache.blocks)
+    stream = check_stream(stream, "cuda" if on_device else "cpu")
     if on_device and (dtype_of(cache.blocks) not in (np.float32, np.float64)
                       or cache.scales is not None):
         raise TypeError(f"store_kv writes device caches of float32 or float64 (without "
@@ -110,7 +116,7 @@ def store_kv(cache, new_rows, input_row_offsets):
     pages = layout.lookup_table[seq, pos // layout.page_size] // layout.page_step
     slots = pos % layout.page_size
     if on_device:
-        _store_on_device(cache.blocks, pages, slots, new_rows)
+        _store_on_device(cache.blocks, pages, slots, new_rows, stream)
         return cache
     stored, scales = _stored_rows(new_rows, cache.blocks.dtype, cache.scales is not None)
     cache.blocks[pages, slots] = stored
@@ -119,21 +125,22 @@ def store_kv(cache, new_rows, input_row_offsets):
     return cache
 
 
-def _store_on_device(blocks, pages, slots, new_rows):
-    """``blocks[pages, slots] = new_rows`` on the device (``new_rows`` copied over if on the
-    host)."""
+def _store_on_device(blocks, pages, slots, new_rows, stream):
+    """``blocks[pages, slots] = new_rows`` on the device, queued on ``stream`` (``new_rows``
+    copied over if on the host)."""
     cuda = require_cuda()
     if is_device_array(new_rows):
         new_rows = new_rows if hasattr(new_rows, "copy_to_host") else cuda.as_cuda_array(
             new_rows)
     else:
-        new_rows = cuda.to_device(np.ascontiguousarray(new_rows))
+        new_rows = cuda.to_device(np.ascontiguousarray(new_rows), stream=stream)
     if not hasattr(blocks, "copy_to_host"):
         blocks = cuda.as_cuda_array(blocks)
     from .kernels.cuda.store import run_store_cuda  # kernel modules load at the first call
 
-    run_store_cuda(blocks, cuda.to_device(np.ascontiguousarray(pages, dtype=np.int64)),
-                   cuda.to_device(np.ascontiguousarray(slots, dtype=np.int64)), new_rows)
+    rows = np.ascontiguousarray(np.stack([pages, slots]), dtype=np.int64)
+    rows = cuda.to_device(rows, stream=stream)
+    run_store_cuda(blocks, rows[0], rows[1], new_rows, stream)
 
 
 #: The largest finite magnitude of each quantized format: a row's scale maps its largest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core.device import is_device_array, require_cuda
+from .core.device import check_stream, is_device_array, require_cuda
 from .core.dtypes import lse_dtype
 from .core.interop import as_array
 from .core.validate import check_array, check_q_dtype, dtype_of, shape_of
@@ -27,7 +27,7 @@ def _parts(name, parts):
     return [np.asarray(p) if isinstance(p, np.generic) else p for p in parts]
 
 
-def merge_states(outs, lses):
+def merge_states(outs, lses, *, stream=None):
     """Combine attention results over disjoint key sets into the result over their union.
 
     Given partial outputs ``O_p`` and log-sum-exps ``lse_p`` (natural log) of the same
@@ -47,6 +47,9 @@ def merge_states(outs, lses):
     lses : sequence of ndarray [...], or ndarray [P, ...]
         Their log-sum-exps: float64 for float64 outputs, else float32 (as the operations
         return them).
+    stream : numba.cuda stream, optional
+        For device parts: the stream the merge is queued on (``None``: the default
+        stream); the results are ready in that stream's order.
 
     Returns
     -------
@@ -58,7 +61,8 @@ def merge_states(outs, lses):
     ValueError
         If there are no parts or the shapes disagree.
     TypeError
-        If dtypes are not those above or disagree.
+        If dtypes are not those above or disagree, or ``stream`` is not a stream (a
+        ``ValueError`` with host parts only).
 
     Examples
     --------
@@ -104,8 +108,10 @@ def merge_states(outs, lses):
     rows = int(np.prod(out_shape[:-1], dtype=np.int64))
     d = out_shape[-1]
     parts = len(outs)  # not -1 in the reshapes: rows may be 0
-    if any(is_device_array(x) for x in (*outs, *lses)):
-        return _merge_on_device(outs, lses, dtype, out_shape, rows)
+    on_device = any(is_device_array(x) for x in (*outs, *lses))
+    stream = check_stream(stream, "cuda" if on_device else "cpu")
+    if on_device:
+        return _merge_on_device(outs, lses, dtype, out_shape, rows, stream)
     # 16-bit outputs merge in float32 (lse_type), then round to their dtype
     part_out = np.ascontiguousarray(
         np.stack([np.asarray(o) for o in outs]).reshape(parts, rows, d), dtype=lse_type)
@@ -118,9 +124,9 @@ def merge_states(outs, lses):
     return out.astype(dtype, copy=False).reshape(out_shape), lse.reshape(out_shape[:-1])
 
 
-def _merge_on_device(outs, lses, dtype, out_shape, rows):
+def _merge_on_device(outs, lses, dtype, out_shape, rows, stream):
     """:func:`merge_states` of parts of which some are device arrays: stacked and merged on
-    the device (host parts are copied over); returns device arrays."""
+    the device, queued on ``stream`` (host parts are copied over); returns device arrays."""
     cuda = require_cuda()
     if dtype not in (np.float32, np.float64):
         raise TypeError(f"merge_states on the device takes float32 or float64 parts, got {dtype}")
@@ -128,21 +134,21 @@ def _merge_on_device(outs, lses, dtype, out_shape, rows):
 
     def on_device(name, x, shape):
         if not is_device_array(x):
-            return cuda.to_device(np.ascontiguousarray(x).reshape(shape))
+            return cuda.to_device(np.ascontiguousarray(x).reshape(shape), stream=stream)
         x = x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x)
         if not x.is_c_contiguous():
             raise ValueError(f"{name} must be C-contiguous on the device")
         return x.reshape(shape)
 
-    part_out = cuda.device_array((len(outs), rows, d), dtype)
-    part_lse = cuda.device_array((len(outs), rows), dtype)
+    part_out = cuda.device_array((len(outs), rows, d), dtype, stream=stream)
+    part_lse = cuda.device_array((len(outs), rows), dtype, stream=stream)
     for i, (o, x) in enumerate(zip(outs, lses)):
         if rows:
-            part_out[i].copy_to_device(on_device(f"outs[{i}]", o, (rows, d)))
-            part_lse[i].copy_to_device(on_device(f"lses[{i}]", x, (rows,)))
-    out = cuda.device_array((rows, d), dtype)
-    lse = cuda.device_array(rows, dtype)
+            part_out[i].copy_to_device(on_device(f"outs[{i}]", o, (rows, d)), stream=stream)
+            part_lse[i].copy_to_device(on_device(f"lses[{i}]", x, (rows,)), stream=stream)
+    out = cuda.device_array((rows, d), dtype, stream=stream)
+    lse = cuda.device_array(rows, dtype, stream=stream)
     from .kernels.cuda.merge import run_merge_cuda  # kernel modules load at the first call
 
-    run_merge_cuda(part_out, part_lse, out, lse)
+    run_merge_cuda(part_out, part_lse, out, lse, stream)
     return out.reshape(out_shape), lse.reshape(out_shape[:-1])

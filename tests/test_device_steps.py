@@ -80,10 +80,63 @@ def test_merge_states_on_the_device(rng):
 
 @pytest.mark.cuda
 @requires_cuda
-def test_a_generation_loop_stays_on_the_device(rng):
-    """Prefill a ragged batch into a paged device cache (store_kv + flash), then decode three
-    tokens (store_kv + decode) with device queries: the same numbers as on the CPU."""
+def test_streams_with_host_results_and_device_parts(rng):
+    """Host inputs on a stream come back complete (the call synchronizes before it
+    returns); device parts merge on the stream; a plan runs on one."""
     cuda = _cuda()
+    stream = cuda.stream()
+    q = randn(rng, (5, 2, 4), np.float32)
+    kv = randn(rng, (6, 1, 4), np.float32)
+    q_offsets, kv_offsets = np.array([0, 2, 5]), np.array([0, 4, 6])
+    args = (q, q_offsets, 3, kv, kv, kv_offsets, CausalMask())
+    got, lse = numattn.cross_attention(*args, device="cuda", stream=stream, return_lse=True)
+    want, want_lse = numattn.cross_attention(*args, return_lse=True)
+    assert isinstance(got, np.ndarray)
+    assert_close(got, want, np.float32)
+    assert_close(lse, want_lse, np.float32, what="lse")
+    parts = [cuda.to_device(randn(rng, (3, 2, 4), np.float32)) for _ in range(2)]
+    lses = [cuda.to_device(randn(rng, (3, 2), np.float32)) for _ in range(2)]
+    out, merged = numattn.merge_states(parts, lses, stream=stream)
+    host = numattn.merge_states([p.copy_to_host() for p in parts],
+                                [x.copy_to_host() for x in lses])
+    stream.synchronize()
+    assert_close(out.copy_to_host(), host[0], np.float32)
+    assert_close(merged.copy_to_host(), host[1], np.float32, what="lse")
+    k, v = (numattn.PagedKVCache(randn(rng, (3, 4, 1, 4), np.float32), np.array([5, 2]),
+                                 np.array([[0, 1], [2, 0]])) for _ in range(2))
+    plan = numattn.DecodePlan(k, v, CausalMask(), device="cuda")
+    q1 = randn(rng, (2, 2, 4), np.float32)
+    assert_close(plan.run(q1, k, v, stream=stream), numattn.decode_attention(q1, k, v,
+                                                                            CausalMask()),
+                 np.float32)
+    with pytest.raises(TypeError, match="stream must be a numba.cuda stream"):
+        numattn.decode_attention(q1, k, v, device="cuda", stream="stream 1")
+
+
+def test_a_stream_with_a_call_on_the_cpu_is_refused(rng):
+    q = randn(rng, (2, 2, 4), np.float32)
+    kv = randn(rng, (2, 3, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="this call runs on the CPU"):
+        numattn.decode_attention(q, kv, kv, stream=object())
+    cache = numattn.PagedKVCache(np.zeros((2, 4, 1, 4), np.float32), np.array([0]),
+                                 np.array([[0, 1]]))
+    with pytest.raises(ValueError, match="this call runs on the CPU"):
+        numattn.store_kv(cache, randn(rng, (1, 1, 4), np.float32), np.array([0, 1]),
+                         stream=object())
+    assert not cache.blocks.any()
+    with pytest.raises(ValueError, match="this call runs on the CPU"):
+        numattn.merge_states([q, q], [q[..., 0], q[..., 0]], stream=object())
+
+
+@pytest.mark.parametrize("on_stream", [False, True])
+@pytest.mark.cuda
+@requires_cuda
+def test_a_generation_loop_stays_on_the_device(rng, on_stream):
+    """Prefill a ragged batch into a paged device cache (store_kv + flash), then decode three
+    tokens (store_kv + decode) with device queries: the same numbers as on the CPU.  With
+    ``on_stream`` every call is queued on one stream, synchronized only to read results."""
+    cuda = _cuda()
+    stream = cuda.stream() if on_stream else None
     heads, kv_heads, head_dim, page_size = 2, 1, 4, 4
     prompt_lens = np.array([3, 5])
     table = np.array([[0, 2, 4], [1, 3, 5]])
@@ -102,24 +155,35 @@ def test_a_generation_loop_stays_on_the_device(rng):
               randn(rng, (2, kv_heads, head_dim), np.float32)) for _ in range(3)]
     results = {}
     for where, (kb, vb) in caches.items():
+        on = {} if where == "cpu" else {"stream": stream}
+
+        def to_host(out, where=where):
+            if where == "cpu":
+                return out
+            host = out.copy_to_host(stream=stream or 0)
+            if stream is not None:
+                stream.synchronize()
+            return host
+
         lengths = np.zeros(2, np.int64)
         k = numattn.PagedKVCache(kb, lengths, table)
         v = numattn.PagedKVCache(vb, lengths, table)
-        numattn.store_kv(k, new_k, offsets)
-        numattn.store_kv(v, new_v, offsets)
+        numattn.store_kv(k, new_k, offsets, **on)
+        numattn.store_kv(v, new_v, offsets, **on)
         q = prompt if where == "cpu" else cuda.to_device(prompt)
-        out = numattn.flash_attention_kv_cache(q, k, v, CausalMask(), q_input_row_offsets=offsets)
-        outs = [out if where == "cpu" else out.copy_to_host()]
+        out = numattn.flash_attention_kv_cache(q, k, v, CausalMask(), q_input_row_offsets=offsets,
+                                               **on)
+        outs = [to_host(out)]
         lengths = prompt_lens.copy()
         for q1, k1, v1 in steps:
             k = numattn.PagedKVCache(kb, lengths, table)
             v = numattn.PagedKVCache(vb, lengths, table)
             one = np.array([0, 1, 2])
-            numattn.store_kv(k, k1 if where == "cpu" else cuda.to_device(k1), one)
-            numattn.store_kv(v, v1 if where == "cpu" else cuda.to_device(v1), one)
+            numattn.store_kv(k, k1 if where == "cpu" else cuda.to_device(k1), one, **on)
+            numattn.store_kv(v, v1 if where == "cpu" else cuda.to_device(v1), one, **on)
             q1 = q1 if where == "cpu" else cuda.to_device(q1)
-            out = numattn.decode_attention(q1, k, v, CausalMask())
-            outs.append(out if where == "cpu" else out.copy_to_host())
+            out = numattn.decode_attention(q1, k, v, CausalMask(), **on)
+            outs.append(to_host(out))
             lengths = lengths + 1
         results[where] = outs
     for cpu_out, cuda_out in zip(results["cpu"], results["cuda"]):

@@ -350,3 +350,33 @@ def test_decode_plan_on_cuda_gives_the_plain_calls_bits(rng):
                                     config=tiny, return_lse=True)
     assert_same(got, want)
     assert_close(got[0], reference.decode_attention(q, k, v, CausalMask()), np.float32)
+
+
+@requires_cuda
+def test_decode_plan_on_cuda_copies_the_step_tables_once(rng, monkeypatch):
+    """The tables and the mask program go to the device at the plan's first CUDA run and
+    serve every layer after it; each layer still gives the plain call's bits."""
+    from numattn.kernels.cuda import split_k
+
+    copies = []
+
+    def counted(*args):
+        copies.append(args)
+        return step_tables_to_device(*args)
+
+    step_tables_to_device = split_k.step_tables_to_device
+    monkeypatch.setattr(split_k, "step_tables_to_device", counted)
+    tiny = MHAConfig(block_k=4, threads_per_block=32)
+    k, v = make_kv(rng, "paged", [6, 3], [1, 1], 1, 4, np.float32, page_size=3)
+    mask = SlidingWindowCausalMask(3)
+    plan = DecodePlan(k, v, mask, num_partitions=2, device="cuda", config=tiny)
+    for layer in range(3):
+        k_layer, v_layer = (k, v) if layer == 0 else other_layer(rng, k, v)
+        q = randn(rng, (2, 4, 4), np.float32)
+        before = len(copies)
+        got = plan.run(q, k_layer, v_layer)
+        assert len(copies) == before + (layer == 0)  # copied at the first run only
+        want = numattn.decode_attention(q, k_layer, v_layer, mask, num_partitions=2,
+                                        device="cuda", config=tiny)
+        assert_same(got, want)
+    assert len(copies) == 4  # the plan's copy and one per plain call

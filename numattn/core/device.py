@@ -87,3 +87,28 @@ def resolve_device(device, arrays) -> str:
             "copy them to the host (e.g. .copy_to_host()) or use device='cuda'"
         )
     return device
+
+
+def check_stream(stream, device):
+    """The CUDA stream a call runs on: ``stream`` (a ``numba.cuda`` stream: ``cuda.stream()``,
+    or ``cuda.external_stream(ptr)`` over another library's), or ``0``, the default stream,
+    for ``None``.  Checked before any work: ``TypeError`` for another object, ``ValueError``
+    for a stream given to a call that runs on the CPU."""
+    if stream is None:
+        return 0
+    if device != "cuda":
+        raise ValueError("stream is for calls that run on CUDA (device='cuda', or device "
+                         "arrays with device='auto'); this call runs on the CPU")
+    cuda = require_cuda()
+    if not isinstance(stream, type(cuda.default_stream())):
+        raise TypeError(f"stream must be a numba.cuda stream (cuda.stream(), or "
+                        f"cuda.external_stream(ptr) for another library's), got "
+                        f"{type(stream).__name__}")
+    return stream
+
+
+def synchronize(stream):
+    """Wait for ``stream`` (``0``: nothing to wait for, the default stream's copies to the
+    host return when done), before results on the host are handed back."""
+    if not isinstance(stream, int):
+        stream.synchronize()

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from ...core.device import is_device_array, require_cuda
+from ...core.device import is_device_array, require_cuda, synchronize
 from ...core.dtypes import FORMAT_NATIVE
 from ...core.jit import body, cuda, cuda_kernel
 from ...core.masks import TILE_FULL, TILE_NONE
@@ -52,12 +52,14 @@ def _shared_bytes(width, keys, itemsize):
     return keys * 8 + width * (keys + 3) * itemsize
 
 
-def run_flash_cuda(problem):
+def run_flash_cuda(problem, stream=0):
     """Flash or cross attention of a normalised problem
-    (:class:`numattn.core.problem.AttentionProblem`) on CUDA: queries at their positions
-    ``q_start_pos[b] + r``, sinks counted once; returns ``(out, lse)`` (``lse`` ``None``
-    without ``problem.return_lse``).  An ``out`` that is a device array over ``q``'s memory
-    gets the result once every query was read (the kernel accumulates in its output)."""
+    (:class:`numattn.core.problem.AttentionProblem`) on CUDA, queued on ``stream``: queries
+    at their positions ``q_start_pos[b] + r``, sinks counted once; returns ``(out, lse)``
+    (``lse`` ``None`` without ``problem.return_lse``), on the device where the queries or
+    ``out`` are (ready in the stream's order), else on the host (the stream synchronized).
+    An ``out`` that is a device array over ``q``'s memory gets the result once every query
+    was read (the kernel accumulates in its output)."""
     q, q_offsets, layout, config = problem.q, problem.q_offsets, problem.layout, problem.config
     program, additive, has_additive, functions = problem.mask
     scale, group, out, return_lse = problem.scale, problem.group, problem.out, problem.return_lse
@@ -71,7 +73,7 @@ def run_flash_cuda(problem):
     def on_device(x):
         if is_device_array(x):
             return x if hasattr(x, "is_c_contiguous") else cuda.as_cuda_array(x)
-        return cuda.to_device(np.ascontiguousarray(x))
+        return cuda.to_device(np.ascontiguousarray(x), stream=stream)
 
     def rows_view(blocks):  # [pages, page_size, Hkv(, D)] -> [pages * page_size, Hkv(, D)]
         shape = shape_of(blocks)
@@ -88,16 +90,17 @@ def run_flash_cuda(problem):
     d_out = on_device(out) if out is not None and is_device_array(out) else None
     deferred = d_out is not None and spans_overlap(out, q)  # out=q: written at the end
     if d_out is None or deferred:
-        d_out = cuda.device_array((num_tokens, num_heads, head_dim), dtype=dtype)
-    d_lse = cuda.device_array((num_tokens, num_heads) if return_lse else (1, 1), dtype=dtype)
+        d_out = cuda.device_array((num_tokens, num_heads, head_dim), dtype=dtype, stream=stream)
+    d_lse = cuda.device_array((num_tokens, num_heads) if return_lse else (1, 1), dtype=dtype,
+                              stream=stream)
     if tile_seq.shape[0] and num_heads:
         kernel = cuda_kernel(_flash_cuda_kernel, problem.special)
         grid = (tile_seq.shape[0], num_heads // heads)
-        k_scales, v_scales, has_scales = device_scales(cuda, layout, on_device)
+        k_scales, v_scales, has_scales = device_scales(layout, on_device)
         if has_scales:
             k_scales, v_scales = rows_view(k_scales), rows_view(v_scales)
         shared = _shared_bytes(heads * rows, keys, dtype.itemsize)
-        kernel[grid, config.threads_per_block, 0, shared](
+        kernel[grid, config.threads_per_block, stream, shared](
             on_device(q), on_device(q_offsets), on_device(problem.q_start_pos),
             on_device(tile_seq), on_device(tile_row0),
             rows_view(layout.k_blocks), rows_view(layout.v_blocks), np.int64(layout.page_size),
@@ -110,18 +113,23 @@ def run_flash_cuda(problem):
             np.int64(keys), d_out, d_lse, bool(return_lse),
         )
     if deferred:
-        on_device(out).copy_to_device(d_out)
+        on_device(out).copy_to_device(d_out, stream=stream)
     elif out is not None and not is_device_array(out):
-        d_out.copy_to_host(out)  # a NumPy ``out``: the result lands there
+        d_out.copy_to_host(out, stream=stream)  # a NumPy ``out``: the result lands there
     on_host = not is_device_array(q if out is None else out)
     if caller_out is not None:
         result = caller_out
+    elif on_host:
+        result = d_out.copy_to_host(stream=stream).reshape(problem.out_shape)
     else:
-        result = (d_out.copy_to_host() if on_host else d_out).reshape(problem.out_shape)
-    if not return_lse:
-        return result, None
-    lse = d_lse.copy_to_host() if on_host else d_lse
-    return result, lse.reshape(problem.out_shape[:-1])
+        result = d_out.reshape(problem.out_shape)
+    lse = None
+    if return_lse:
+        lse = (d_lse.copy_to_host(stream=stream) if on_host else d_lse).reshape(
+            problem.out_shape[:-1])
+    if on_host:  # host results (a NumPy ``out`` too) are complete when they return
+        synchronize(stream)
+    return result, lse
 
 
 # --------------------------------------------------------------------------------------

@@ -11,14 +11,14 @@ from ..shared.softmax import merge_partials
 THREADS = 64
 
 
-def run_merge_cuda(part_out, part_lse, out, lse):
+def run_merge_cuda(part_out, part_lse, out, lse, stream=0):
     """Merge ``part_out [P, R, D]`` / ``part_lse [P, R]`` into ``out [R, D]``, ``lse [R]``,
-    device arrays all (C-contiguous)."""
+    device arrays all (C-contiguous), queued on ``stream``."""
     num_parts, rows, head_dim = part_out.shape
     if rows == 0:
         return
     require_cuda()
-    cuda_kernel(_merge_cuda_kernel)[rows, THREADS](
+    cuda_kernel(_merge_cuda_kernel)[rows, THREADS, stream](
         part_out.reshape(1, num_parts, rows, head_dim), part_lse.reshape(1, num_parts, rows),
         out.reshape(1, rows, head_dim), lse)
 

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ...core.device import is_device_array, require_cuda
+from ...core.device import is_device_array, require_cuda, synchronize
 from ...core.dtypes import FORMAT_NATIVE
 from ...core.jit import body, cuda, cuda_kernel
 from ...core.masks import TILE_FULL, TILE_NONE
@@ -37,10 +37,13 @@ CUDA_MAX_TILE = 1024
 CUDA_SHARED_BYTES = 48 * 1024
 
 
-def run_decode_cuda(problem, num_partitions):
+def run_decode_cuda(problem, num_partitions, stream=0, step_tables=None):
     """Decode of a normalised problem (:class:`numattn.core.problem.AttentionProblem`, one
-    query row per sequence) in ``num_partitions`` key partitions (``None``: automatic);
-    returns ``(out, lse)``, on the device where the queries or ``out`` are."""
+    query row per sequence) in ``num_partitions`` key partitions (``None``: automatic),
+    queued on ``stream``; returns ``(out, lse)``, on the device where the queries or ``out``
+    are (ready in the stream's order), else on the host (the stream synchronized).
+    ``step_tables``: the problem's :func:`step_tables_to_device`, held by a plan (``None``:
+    copied in this call)."""
     q, out, args = problem.q, problem.out, problem  # args: the problem's fields by name
     cuda = require_cuda()
     layout = args.layout
@@ -52,7 +55,7 @@ def run_decode_cuda(problem, num_partitions):
 
     def to_device(x):
         if not is_device_array(x):
-            return cuda.to_device(np.ascontiguousarray(x))
+            return cuda.to_device(np.ascontiguousarray(x), stream=stream)
         # Numba's own device arrays (and the simulator's) are used as they are; others
         # (CuPy, PyTorch, ...) are wrapped without a copy.
         return x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x)
@@ -60,9 +63,9 @@ def run_decode_cuda(problem, num_partitions):
     if out is not None and is_device_array(out):
         d_out = to_device(out)
     else:
-        d_out = cuda.device_array((batch, num_heads, head_dim), dtype)
+        d_out = cuda.device_array((batch, num_heads, head_dim), dtype, stream=stream)
     if not (batch and num_heads):
-        d_lse = cuda.device_array((batch, num_heads), dtype)
+        d_lse = cuda.device_array((batch, num_heads), dtype, stream=stream)
     else:
         config = args.config
         block_k = config.block_k
@@ -76,41 +79,54 @@ def run_decode_cuda(problem, num_partitions):
                                  block_k, _multiprocessors(cuda))
         # Few transfers and allocations per call: the small host arrays travel packed by
         # dtype, and the partial states and lse share one allocation.
-        table, row_base, num_keys, program = _packed_to_device(
-            cuda, [layout.lookup_table, layout.row_base, layout.num_keys, args.program],
-            np.int64)
+        table, row_base, num_keys, program = step_tables or step_tables_to_device(
+            layout, args.program, to_device)
         floats = [args.sinks] + ([] if is_device_array(args.additive) else [args.additive])
-        sinks, *additive = _packed_to_device(cuda, floats, dtype)
+        sinks, *additive = _packed_to_device(to_device, floats, dtype)
         additive = additive[0] if additive else args.additive
         part_m, part_l, part_acc, d_lse = _split(
-            cuda.device_array(batch * num_heads * (parts * (head_dim + 2) + 1), dtype),
+            cuda.device_array(batch * num_heads * (parts * (head_dim + 2) + 1), dtype,
+                              stream=stream),
             [(batch, parts, num_heads), (batch, parts, num_heads),
              (batch, parts, num_heads, head_dim), (batch, num_heads)])
         grid = (parts, layout.num_kv_heads, batch)
-        k_scales, v_scales, has_scales = device_scales(cuda, layout, to_device)
+        k_scales, v_scales, has_scales = device_scales(layout, to_device)
         kernel = cuda_kernel(_decode_partitions_cuda, problem.special)
-        kernel[grid, threads, 0, heads_per_pass * per_head](
+        kernel[grid, threads, stream, heads_per_pass * per_head](
             to_device(q), to_device(layout.k_blocks), to_device(layout.v_blocks),
             layout.page_size, table, row_base, num_keys, k_scales, v_scales,
             np.int64(layout.kv_format), has_scales, program,
             device_functions(args.mask.functions, to_device), additive, args.has_additive,
             args.scale, block_k, tile, heads_per_pass, part_m, part_l, part_acc,
         )
-        cuda_kernel(_decode_reduce_cuda)[batch * num_heads, threads](
+        cuda_kernel(_decode_reduce_cuda)[batch * num_heads, threads, stream](
             part_m, part_l, part_acc, sinks, args.has_sink, d_out, d_lse
         )
     if on_device:
         return d_out, d_lse
-    result = d_out.copy_to_host(out) if out is not None else d_out.copy_to_host()
-    return result, d_lse.copy_to_host()
+    if out is not None:
+        result = d_out.copy_to_host(out, stream=stream)
+    else:
+        result = d_out.copy_to_host(stream=stream)
+    lse = d_lse.copy_to_host(stream=stream)
+    synchronize(stream)
+    return result, lse
 
 
-def device_scales(cuda, layout, to_device):
+def step_tables_to_device(layout, program, to_device):
+    """``(lookup_table, row_base, num_keys, program)`` of a step on the device, in one
+    transfer (``to_device``): what the decode kernel reads of the cache tables and the
+    mask, the same for every layer of a step."""
+    return tuple(_packed_to_device(to_device, [layout.lookup_table, layout.row_base,
+                                               layout.num_keys, program], np.int64))
+
+
+def device_scales(layout, to_device):
     """``(k_scales, v_scales, has_scales)`` for the CUDA kernels: a quantized cache's scales
     on the device, or ``[1, 1, 1]`` placeholders (the kernels read them only with
     ``has_scales``)."""
     if layout.k_scales.shape[0] == 0:
-        placeholder = cuda.to_device(np.ones((1, 1, 1), np.float32))
+        placeholder = to_device(np.ones((1, 1, 1), np.float32))
         return placeholder, placeholder, False
     return to_device(layout.k_scales), to_device(layout.v_scales), True
 
@@ -124,10 +140,11 @@ def device_functions(functions, to_device):
     return tuple(moved(x) for x in functions)
 
 
-def _packed_to_device(cuda, arrays, dtype):
-    """Copy small host arrays to the device in one transfer; returns a view of each."""
+def _packed_to_device(to_device, arrays, dtype):
+    """Copy small host arrays to the device in one transfer (``to_device``); returns a view
+    of each."""
     flat = np.concatenate([np.ravel(x).astype(dtype, copy=False) for x in arrays])
-    return _split(cuda.to_device(flat), [x.shape for x in arrays])
+    return _split(to_device(flat), [x.shape for x in arrays])
 
 
 def _split(flat, shapes):

@@ -10,16 +10,16 @@ from ...core.jit import cuda, cuda_kernel
 THREADS = 256
 
 
-def run_store_cuda(blocks, pages, slots, new_rows):
+def run_store_cuda(blocks, pages, slots, new_rows, stream=0):
     """``blocks[pages[i], slots[i]] = new_rows[i]`` (converted to the cache's dtype) for every
     row ``i``; ``blocks`` ``[pages, page_size, Hkv, D]``, ``pages`` and ``slots`` int64
-    ``[T]``, ``new_rows`` ``[T, Hkv, D]``, device arrays all."""
+    ``[T]``, ``new_rows`` ``[T, Hkv, D]``, device arrays all; queued on ``stream``."""
     size = new_rows.size
     if size == 0:
         return
     require_cuda()
-    cuda_kernel(_store_cuda_kernel)[-(-size // THREADS), THREADS](blocks, pages, slots,
-                                                                 new_rows)
+    cuda_kernel(_store_cuda_kernel)[-(-size // THREADS), THREADS, stream](blocks, pages, slots,
+                                                                         new_rows)
 
 
 def _store_cuda_kernel(blocks, pages, slots, new_rows):
