@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from numattn.core.jit import cpu_jit
-from numattn.kernels.cpu.schedule import zigzag_schedule
+from numattn.kernels.cpu.schedule import by_decreasing_cost, zigzag_schedule
 
 
 @pytest.mark.parametrize("num_items", [0, 1, 5, 64, 257])
@@ -33,3 +33,12 @@ def test_zigzag_schedule_deals_every_item_once_and_balances(num_items, num_threa
 def test_zigzag_schedule_keeps_ties_in_index_order():
     order, starts = zigzag_schedule(np.array([5, 5, 5, 5, 9], dtype=np.int64), 2)
     assert order.tolist() == [4, 2, 3, 0, 1] and starts.tolist() == [0, 3, 5]
+
+
+@pytest.mark.parametrize("num_items", [0, 1, 2, 7, 64, 1000])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_by_decreasing_cost_is_a_stable_argsort(num_items, compiled, rng):
+    cost = rng.integers(0, 6, num_items).astype(np.int64)  # many ties
+    cost[::7] = rng.integers(-2**40, 2**40, cost[::7].shape[0])
+    order = (cpu_jit(by_decreasing_cost) if compiled else by_decreasing_cost)(cost)
+    assert order.tolist() == np.argsort(-cost, kind="mergesort").tolist()

@@ -119,13 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    check = sub.add_parser("check", help="compare every operation and backend with the reference")
+    def command(name, text):
+        return sub.add_parser(name, help=text, description=text)  # in both listings
+
+    check = command("check", "compare every operation and backend with the reference")
     check.add_argument("--seed", type=int, default=0,
                        help="seed of the random problems (default 0)")
     check.add_argument("--cpu-only", action="store_true", help="skip the CUDA backend")
     check.set_defaults(func=_check)
 
-    bench = sub.add_parser("bench", help="time the benchmark shapes against the machine's limits")
+    bench = command("bench", "time the benchmark shapes against the machine's limits")
     bench.add_argument("--quick", action="store_true", help="small shapes, under a minute")
     bench.add_argument("--only", action="append", default=None,
                        help="run only cases whose name contains this (repeatable)")
@@ -137,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "torch SDPA in it (float32 for the 8-bit ones)")
     bench.set_defaults(func=_bench)
 
-    demo = sub.add_parser("demo", help="prefill + generate with a toy GPT and a paged KV cache")
+    demo = command("demo", "prefill + generate with a toy GPT and a paged KV cache")
     demo.add_argument("--batch", type=at_least(1), default=4,
                       help="prompts generated side by side (default 4)")
     demo.add_argument("--new-tokens", type=at_least(2), default=32,
@@ -158,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens per prompt with --dask")
     demo.set_defaults(func=_demo)
 
-    warmup = sub.add_parser("warmup", help="compile every CPU kernel into the disk cache "
-                                           "(NUMBA_CACHE_DIR), for image builds and CI caches")
+    warmup = command("warmup", "compile every CPU kernel into the disk cache "
+                               "(NUMBA_CACHE_DIR), for image builds and CI caches")
     warmup.add_argument("--dtype", nargs="+", choices=("float32", "float64"),
                         default=["float32", "float64"], help="compute dtypes (default: both)")
     warmup.add_argument("--cuda", action="store_true",

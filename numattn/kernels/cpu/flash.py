@@ -522,7 +522,7 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
         for j in range(min(GATHER_PREFETCH_KEYS, kw)):
             prefetch_head(k_blocks, pages[j], slots[j], kv_head)
             prefetch_head(v_blocks, pages[j], slots[j], kv_head)
-        v_finite = True
+        v_finite = elementwise  # True as a bool (a literal True: a second _tile_step)
         for j in range(kw):
             ahead = j + GATHER_PREFETCH_KEYS
             if ahead < kw:

@@ -37,7 +37,7 @@ def zigzag_schedule(cost, num_threads):
         Thread ``t`` runs ``order[starts[t]:starts[t + 1]]``.
     """
     num_items = cost.shape[0]
-    by_cost = np.argsort(-cost, kind="mergesort")  # stable
+    by_cost = by_decreasing_cost(cost)
     thread = np.empty(num_items, dtype=np.int64)
     starts = np.zeros(num_threads + 1, dtype=np.int64)
     for r in range(num_items):
@@ -52,3 +52,30 @@ def zigzag_schedule(cost, num_threads):
         order[fill[thread[r]]] = by_cost[r]
         fill[thread[r]] += 1
     return order, starts
+
+
+@body
+def by_decreasing_cost(cost):
+    """Item indices by decreasing ``cost``, ties in index order: ``np.argsort(-cost,
+    kind="mergesort")`` as a bottom-up merge sort of its own (Numba's took 0.7 s of a
+    first call's compiling, this one 0.3 s)."""
+    n = cost.shape[0]
+    order = np.arange(n)
+    spare = np.empty(n, dtype=order.dtype)
+    width = 1
+    while width < n:
+        for lo in range(0, n, 2 * width):
+            mid = min(lo + width, n)
+            hi = min(lo + 2 * width, n)
+            i, j = lo, mid
+            for o in range(lo, hi):
+                # the right run's item first only if it costs more: stable
+                if j < hi and (i >= mid or cost[order[j]] > cost[order[i]]):
+                    spare[o] = order[j]
+                    j += 1
+                else:
+                    spare[o] = order[i]
+                    i += 1
+        order, spare = spare, order
+        width *= 2
+    return order
