@@ -5,7 +5,7 @@ ragged, continuous-batching or paged K/V) to one ragged problem over the paged a
 of :func:`numattn.core.kv_cache.resolve_kv` (:func:`numattn.core.problem.attention_problem`),
 and runs the CPU kernel (:func:`numattn.kernels.cpu.flash.run_flash_cpu`) or the CUDA one
 (:func:`numattn.kernels.cuda.flash.run_flash_cuda`, shared with cross attention).
-:class:`FlashPlan` (CPU) does the work that depends only on a step's row offsets, caches and mask
+:class:`FlashPlan` does the work that depends only on a step's row offsets, caches and mask
 once, for every layer of the step.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .core.config import resolve_config
-from .core.device import check_stream
+from .core.device import check_stream, resolve_device
 from .core.interop import as_arrays
 from .core.kv_cache import KVCache, PlannedKV
 from .core.masks import as_mask, compile_mask, mask_functions
@@ -23,8 +23,10 @@ from .core.problem import (
     OperationRules,
     attention_problem,
     attention_step,
+    check_device_contiguous,
     finish_result,
     layer_problem,
+    on_host,
     plan_q_dtype,
 )
 from .core.validate import (
@@ -35,7 +37,6 @@ from .core.validate import (
     host_int_array,
     row_counts,
     shape_of,
-    to_host,
 )
 
 __all__ = ["FlashPlan", "flash_attention_kv_cache"]
@@ -168,24 +169,6 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     return (result, lse) if return_lse else result
 
 
-def _check_on_host(q, k, v, mask):
-    """A :class:`FlashPlan` runs on the CPU: its arrays must be NumPy arrays (sink weights
-    are read back to the host).  ``q`` and ``mask`` may be ``None``: not checked."""
-    if q is not None and not isinstance(q, np.ndarray):
-        check_array("q", q)
-        raise TypeError(
-            f"q must be a NumPy array (a FlashPlan runs on the CPU), got {type(q).__name__}"
-        )
-    for name, x in (("k", k), ("v", v)):
-        data = x.blocks if isinstance(x, KVCache) else x
-        if hasattr(data, "__cuda_array_interface__") and not isinstance(data, np.ndarray):
-            raise TypeError(f"{name} must be held in NumPy arrays (a FlashPlan runs on the "
-                            "CPU), got a device array")
-    additive = None if mask is None else compile_mask(mask)[1]
-    if additive is not None and not isinstance(additive, np.ndarray):
-        raise TypeError(f"the additive mask must be a NumPy array, got {type(additive).__name__}")
-
-
 class FlashPlan:
     """Flash attention over one step's ragged queries and caches, planned once and run for
     every layer.
@@ -215,6 +198,9 @@ class FlashPlan:
     score_mod : ScoreMod, optional
         As :func:`flash_attention_kv_cache` takes it, for every layer (captured values are
         read at each run).
+    device : {"auto", "cpu", "cuda"}, default "auto"
+        Where the runs compute; ``"auto"`` decides per run from its arrays, as
+        :func:`flash_attention_kv_cache` does.
     config : MHAConfig, optional
         As :func:`flash_attention_kv_cache` takes it.
     q_dtype : dtype, optional
@@ -231,7 +217,9 @@ class FlashPlan:
     A plan holds one step: once the offsets or tables change, make a new one.  It does not
     notice tables changed in place after it was made: its runs then keep computing the step
     it was made for (they never read outside the pages).  The split of the work among
-    threads is fixed when the plan is made, from the number of threads then.
+    threads is fixed when the plan is made, from the number of threads then.  On CUDA the
+    step's offsets, work items, tables and mask go to the device at the first run and serve
+    every later one: a run transfers no table.
 
     Examples
     --------
@@ -254,10 +242,11 @@ class FlashPlan:
     """
 
     def __init__(self, k, v, mask, *, q_input_row_offsets, kv_input_row_offsets=None,
-                 score_mod=None, config=None, q_dtype=None):
+                 score_mod=None, device="auto", config=None, q_dtype=None):
         config = resolve_config(config)
         k, v, mask = as_arrays(k=k, v=v, mask=mask)
-        _check_on_host(None, k, v, mask)
+        resolve_device(device, [])  # the name only: the arrays decide per run
+        self._device = device
         if isinstance(k, KVCache):
             kv_dtype = k.dtype
         else:
@@ -276,15 +265,27 @@ class FlashPlan:
             max_q_len=int(q_lens.max(initial=0)), kv_offsets=kv_input_row_offsets,
             ragged=True, dtype=dtype, num_heads=None, config=config, rules=RULES,
             mask_functions=mask_functions(mask), score_mod=score_mod,
+            device="cuda" if device == "cuda" else "cpu",
         )
         self._kv = PlannedKV(k, v, step.layout)
         self._step = step._replace(layout=self._kv.layout)
-        from .kernels.cpu.flash import run_flash_cpu, work_items
+        self._items = self._run_cpu = None
+        self._device_tables = {}  # the step's tables on the GPU, by tile rows, at need
+        if device != "cuda" and isinstance(step.layout.k_blocks, np.ndarray):
+            self._cpu_items()
 
-        self._run_cpu = run_flash_cpu  # kept: no import at every run
-        self._items = work_items(self._step)
+    def _cpu_items(self):
+        """The CPU kernel's work items of this step, dealt at the first need (with the CPU
+        driver, kept to skip an import at every run)."""
+        if self._items is None:
+            from .kernels.cpu.flash import run_flash_cpu, work_items
 
-    def run(self, q, k, v, *, scale=None, sink_weights=None, out=None, return_lse=False):
+            self._run_cpu = run_flash_cpu
+            self._items = work_items(self._step)
+        return self._items
+
+    def run(self, q, k, v, *, scale=None, sink_weights=None, out=None, return_lse=False,
+            stream=None):
         """Flash attention of one layer.
 
         Parameters
@@ -294,7 +295,7 @@ class FlashPlan:
             ``q_input_row_offsets``.
         k, v : caches or arrays
             The layer's keys and values, as the plan's (see :class:`FlashPlan`).
-        scale, sink_weights, out, return_lse
+        scale, sink_weights, out, return_lse, stream
             As :func:`flash_attention_kv_cache` takes them.
 
         Returns
@@ -312,7 +313,6 @@ class FlashPlan:
         step = self._step
         q, k, v, out, sink_weights = as_arrays(q=q, k=k, v=v, out=out,
                                                sink_weights=sink_weights)
-        _check_on_host(q, k, v, None)
         check_array("q", q, ndim=3)
         if dtype_of(q) != step.q_dtype:
             raise TypeError(f"q must have the plan's q_dtype {step.q_dtype}, got {dtype_of(q)}")
@@ -325,8 +325,23 @@ class FlashPlan:
         if not isinstance(return_lse, (bool, np.bool_)):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         layout = self._kv.layout_of(k, v)
-        problem = layer_problem(step, q, layout, scale,
-                                None if sink_weights is None else to_host(sink_weights), out,
-                                return_lse, "cpu")
-        result, lse = finish_result(problem, *self._run_cpu(problem, self._items))
+        arrays = [q, layout.k_blocks, layout.v_blocks, out, sink_weights, step.mask.additive]
+        device = "cpu" if self._device != "cuda" and on_host(arrays) else resolve_device(
+            self._device, arrays)
+        stream = check_stream(stream, device)
+        if device == "cuda":
+            for name, x in (("q", q), ("k", layout.k_blocks), ("v", layout.v_blocks),
+                            ("out", out), ("mask", step.mask.additive)):
+                check_device_contiguous(name, x)
+        problem = layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device)
+        if device == "cuda":
+            from .kernels.cpu.function_tiles import with_tile_tables
+            from .kernels.cuda.flash import run_flash_cuda
+
+            result, lse = run_flash_cuda(with_tile_tables(problem), stream,
+                                         self._device_tables)
+        else:
+            items = self._cpu_items()
+            result, lse = self._run_cpu(problem, items)
+        result, lse = finish_result(problem, result, lse)
         return (result, lse) if return_lse else result

@@ -380,3 +380,55 @@ def test_decode_plan_on_cuda_copies_the_step_tables_once(rng, monkeypatch):
                                         device="cuda", config=tiny)
         assert_same(got, want)
     assert len(copies) == 4  # the plan's copy and one per plain call
+
+
+@requires_cuda
+@pytest.mark.parametrize("on_device", [False, True])
+def test_flash_plan_on_cuda_copies_the_step_tables_once(rng, monkeypatch, on_device):
+    """A FlashPlan on CUDA (asked for, or for device arrays under "auto") gives the plain
+    call's bits for every layer; the step's tables go to the device at its first run only."""
+    from numattn.kernels.cuda import flash
+
+    cuda = pytest.importorskip("numba.cuda")
+    copies = []
+
+    def counted(*args):
+        copies.append(args)
+        return flash_tables_to_device(*args)
+
+    flash_tables_to_device = flash.flash_tables_to_device
+    monkeypatch.setattr(flash, "flash_tables_to_device", counted)
+    tiny = MHAConfig(block_q=2, block_k=4, threads_per_block=32)
+    offsets = np.array([0, 3, 4, 7])
+    k, v = make_kv(rng, "paged", [5, 0, 6], [3, 1, 3], 1, 4, np.float32, page_size=3)
+    sinks = randn(rng, 2, np.float32)
+    mask = SlidingWindowCausalMask(4)
+    plan = FlashPlan(k, v, mask, q_input_row_offsets=offsets, config=tiny,
+                     device="auto" if on_device else "cuda")
+    for layer in range(3):
+        k_layer, v_layer = (k, v) if layer == 0 else other_layer(rng, k, v)
+        q = randn(rng, (7, 2, 4), np.float32)
+        if on_device:
+            k_layer, v_layer = (type(x)(cuda.to_device(x.blocks), x.cache_lengths,
+                                        x.lookup_table) for x in (k_layer, v_layer))
+        before = len(copies)
+        got = plan.run(cuda.to_device(q) if on_device else q, k_layer, v_layer,
+                       sink_weights=sinks, return_lse=True)
+        assert len(copies) == before + (layer == 0)  # copied at the first run only
+        if on_device:
+            got = tuple(x.copy_to_host() for x in got)
+        want = numattn.flash_attention_kv_cache(q, k_layer, v_layer, mask,
+                                                q_input_row_offsets=offsets,
+                                                sink_weights=sinks, device="cuda",
+                                                config=tiny, return_lse=True)
+        assert_same(got, want)
+        assert_close(got[0], reference.flash_attention_kv_cache(
+            q, k_layer, v_layer, mask, q_input_row_offsets=offsets, sink_weights=sinks),
+            np.float32)
+
+
+def test_flash_plan_refuses_a_stream_on_the_cpu(rng):
+    k, v = make_kv(rng, "paged", [5], [2], 1, 4, np.float32, page_size=3)
+    plan = FlashPlan(k, v, CausalMask(), q_input_row_offsets=np.array([0, 2]))
+    with pytest.raises(ValueError, match="this call runs on the CPU"):
+        plan.run(randn(rng, (2, 2, 4), np.float32), k, v, stream=object())

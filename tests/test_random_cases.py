@@ -133,21 +133,20 @@ def _decode_case(seed, device="cpu"):
 
 
 def _flash_case(seed, device="cpu"):
-    assert device == "cpu"  # flash_attention_kv_cache runs on the CPU only, for now
-    draw = _Draw(seed)
+    draw = _Draw(seed, small=device == "cuda")
     dtype = draw.dtype()
-    batch = int(draw.rng.integers(0, 4))
+    batch = int(draw.rng.integers(0, 3 if draw.small else 4))
     heads, kv_heads, head_dim = draw.heads()
     kind = draw.pick(["dense", "continuous", "paged"])
     ragged = kind != "dense" and draw.rng.random() < 0.6
-    q_lens = draw.lengths(batch, 12, 40)
+    q_lens = draw.lengths(batch, 6 if draw.small else 12, 40)
     if not ragged:
         q_lens[:] = q_lens[0] if batch else 0
     if kind == "dense":  # plain arrays: every sequence has the same N >= S keys
         cache_lengths = np.zeros(batch, np.int64)
         kv_lens = q_lens + int(draw.rng.integers(0, 20))
     else:
-        cache_lengths = draw.lengths(batch, 50, 1500)
+        cache_lengths = draw.lengths(batch, 10 if draw.small else 50, 1500)
         kv_lens = q_lens
     k, v = draw.cache(kind, cache_lengths, kv_lens, kv_heads, head_dim, dtype)
     q_offsets = None
@@ -161,8 +160,8 @@ def _flash_case(seed, device="cpu"):
                      int((cache_lengths + kv_lens).max(initial=0)), dtype)
     sinks = draw.sinks(heads, dtype)
     got = numattn.flash_attention_kv_cache(q, k, v, mask, q_input_row_offsets=q_offsets,
-                                           sink_weights=sinks, return_lse=True,
-                                           config=draw.config())
+                                           sink_weights=sinks, device=device,
+                                           return_lse=True, config=draw.config())
     want = reference.flash_attention_kv_cache(q, k, v, mask, q_input_row_offsets=q_offsets,
                                               sink_weights=sinks, return_lse=True)
     _compare(got, want, dtype)
@@ -258,10 +257,9 @@ def _cpu_case(name, seed):
 
 def _cases(names, cpu):
     """(device, case, seed) for the cases ``names``: every seed on each CPU device of ``cpu``,
-    a tenth of them on CUDA (flash runs on the CPU only, for now)."""
+    a tenth of them on CUDA."""
     return on_devices([_cpu_case(name, seed) for name in names for seed in SEEDS],
-                      [(name, seed) for name in names if name != "flash" for seed in CUDA_SEEDS],
-                      cpu=cpu)
+                      [(name, seed) for name in names for seed in CUDA_SEEDS], cpu=cpu)
 
 
 @pytest.mark.parametrize(("device", "case", "seed"), [

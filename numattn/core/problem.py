@@ -253,7 +253,7 @@ def attention_problem(q, k, v, mask, scale, *, rules, q_offsets=None, kv_offsets
         require_cuda()  # says so where there is none
     if device == "cuda" and rules.device_contiguous:
         for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("mask", tensor)):
-            _check_device_contiguous(name, x.blocks if isinstance(x, KVCache) else x)
+            check_device_contiguous(name, x.blocks if isinstance(x, KVCache) else x)
     if ragged:
         q_offsets = check_row_offsets("q_input_row_offsets", q_offsets, q_shape[0],
                                       "q.shape[0]")
@@ -430,7 +430,7 @@ def on_host(arrays):
     return True
 
 
-def _check_device_contiguous(name, x):
+def check_device_contiguous(name, x):
     """Device arrays are used in place; where a kernel needs them C-contiguous, say so."""
     if x is None or not is_device_array(x):
         return

@@ -25,7 +25,7 @@ from ..shared.paging import kv_page_slot
 from ..shared.scores import modified_score, read_score
 from ..shared.softmax import accumulate, finish_row, key_weight, max_nan, rescale_factor
 from ..shared.storage import stored_value
-from .split_k import device_functions, device_scales
+from .split_k import device_functions, device_scales, packed_to_device
 
 #: Largest number of (query row, query head) pairs that a CUDA block serves.
 MAX_ROW_HEADS = 32
@@ -52,16 +52,18 @@ def _shared_bytes(width, keys, itemsize):
     return keys * 8 + width * (keys + 3) * itemsize
 
 
-def run_flash_cuda(problem, stream=0):
+def run_flash_cuda(problem, stream=0, step_tables=None):
     """Flash or cross attention of a normalised problem
     (:class:`numattn.core.problem.AttentionProblem`) on CUDA, queued on ``stream``: queries
     at their positions ``q_start_pos[b] + r``, sinks counted once; returns ``(out, lse)``
     (``lse`` ``None`` without ``problem.return_lse``), on the device where the queries or
     ``out`` are (ready in the stream's order), else on the host (the stream synchronized).
     An ``out`` that is a device array over ``q``'s memory gets the result once every query
-    was read (the kernel accumulates in its output)."""
+    was read (the kernel accumulates in its output).  ``step_tables``: a plan's dict of
+    :func:`flash_tables_to_device` by tile rows, filled at need (``None``: copied in this
+    call)."""
     q, q_offsets, layout, config = problem.q, problem.q_offsets, problem.layout, problem.config
-    program, additive, has_additive, functions = problem.mask
+    _, additive, has_additive, functions = problem.mask  # the program: in the tables
     scale, group, out, return_lse = problem.scale, problem.group, problem.out, problem.return_lse
     cuda = require_cuda()
     num_tokens, num_heads, head_dim = shape_of(q)
@@ -79,14 +81,15 @@ def run_flash_cuda(problem, stream=0):
         shape = shape_of(blocks)
         return on_device(blocks).reshape(shape[0] * shape[1], *shape[2:])
 
-    q_lens = row_counts(q_offsets)
     heads, rows, keys = _cuda_tiles(max(group, 1), dtype.itemsize, config.block_q,
-                                    config.block_k, int(q_lens.max(initial=1)))
-    # Work items: (sequence, first row) of every tile of ``rows`` query rows.
-    tiles = -(-q_lens // rows)
-    tile_seq = np.repeat(np.arange(q_lens.shape[0], dtype=np.int64), tiles)
-    tile_row0 = (np.arange(tile_seq.shape[0], dtype=np.int64)
-                 - np.repeat(np.cumsum(tiles) - tiles, tiles)) * rows
+                                    config.block_k, int(row_counts(q_offsets).max(initial=1)))
+    tables = None if step_tables is None else step_tables.get(rows)
+    if tables is None:
+        tables = flash_tables_to_device(problem, rows, on_device)
+        if step_tables is not None:
+            step_tables[rows] = tables
+    d_q_offsets, d_q_start_pos, tile_seq, tile_row0, table, row_base, num_keys, d_program = (
+        tables)
     d_out = on_device(out) if out is not None and is_device_array(out) else None
     deferred = d_out is not None and spans_overlap(out, q)  # out=q: written at the end
     if d_out is None or deferred:
@@ -101,12 +104,10 @@ def run_flash_cuda(problem, stream=0):
             k_scales, v_scales = rows_view(k_scales), rows_view(v_scales)
         shared = _shared_bytes(heads * rows, keys, dtype.itemsize)
         kernel[grid, config.threads_per_block, stream, shared](
-            on_device(q), on_device(q_offsets), on_device(problem.q_start_pos),
-            on_device(tile_seq), on_device(tile_row0),
+            on_device(q), d_q_offsets, d_q_start_pos, tile_seq, tile_row0,
             rows_view(layout.k_blocks), rows_view(layout.v_blocks), np.int64(layout.page_size),
-            on_device(layout.lookup_table), on_device(layout.row_base),
-            on_device(layout.num_keys), k_scales, v_scales, np.int64(layout.kv_format),
-            has_scales, on_device(program), device_functions(functions, on_device),
+            table, row_base, num_keys, k_scales, v_scales, np.int64(layout.kv_format),
+            has_scales, d_program, device_functions(functions, on_device),
             on_device(additive),
             bool(has_additive), dtype.type(scale), on_device(problem.sinks),
             bool(problem.has_sink), np.int64(group), np.int64(heads), np.int64(rows),
@@ -130,6 +131,22 @@ def run_flash_cuda(problem, stream=0):
     if on_host:  # host results (a NumPy ``out`` too) are complete when they return
         synchronize(stream)
     return result, lse
+
+
+def flash_tables_to_device(problem, rows, to_device):
+    """The int64 tables the flash kernel reads, on the device in one transfer
+    (``to_device``): the query offsets and start positions, the work items (sequence and
+    first row of every tile of ``rows`` query rows), the cache tables and the mask program:
+    the same for every layer of a step."""
+    q_lens = row_counts(problem.q_offsets)
+    tiles = -(-q_lens // rows)
+    tile_seq = np.repeat(np.arange(q_lens.shape[0], dtype=np.int64), tiles)
+    tile_row0 = (np.arange(tile_seq.shape[0], dtype=np.int64)
+                 - np.repeat(np.cumsum(tiles) - tiles, tiles)) * rows
+    layout = problem.layout
+    return packed_to_device(to_device, [problem.q_offsets, problem.q_start_pos, tile_seq,
+                                        tile_row0, layout.lookup_table, layout.row_base,
+                                        layout.num_keys, problem.program], np.int64)
 
 
 # --------------------------------------------------------------------------------------

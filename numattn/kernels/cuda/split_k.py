@@ -82,7 +82,7 @@ def run_decode_cuda(problem, num_partitions, stream=0, step_tables=None):
         table, row_base, num_keys, program = step_tables or step_tables_to_device(
             layout, args.program, to_device)
         floats = [args.sinks] + ([] if is_device_array(args.additive) else [args.additive])
-        sinks, *additive = _packed_to_device(to_device, floats, dtype)
+        sinks, *additive = packed_to_device(to_device, floats, dtype)
         additive = additive[0] if additive else args.additive
         part_m, part_l, part_acc, d_lse = _split(
             cuda.device_array(batch * num_heads * (parts * (head_dim + 2) + 1), dtype,
@@ -117,7 +117,7 @@ def step_tables_to_device(layout, program, to_device):
     """``(lookup_table, row_base, num_keys, program)`` of a step on the device, in one
     transfer (``to_device``): what the decode kernel reads of the cache tables and the
     mask, the same for every layer of a step."""
-    return tuple(_packed_to_device(to_device, [layout.lookup_table, layout.row_base,
+    return tuple(packed_to_device(to_device, [layout.lookup_table, layout.row_base,
                                                layout.num_keys, program], np.int64))
 
 
@@ -140,7 +140,7 @@ def device_functions(functions, to_device):
     return tuple(moved(x) for x in functions)
 
 
-def _packed_to_device(to_device, arrays, dtype):
+def packed_to_device(to_device, arrays, dtype):
     """Copy small host arrays to the device in one transfer (``to_device``); returns a view
     of each."""
     flat = np.concatenate([np.ravel(x).astype(dtype, copy=False) for x in arrays])
