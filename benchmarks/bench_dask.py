@@ -74,8 +74,11 @@ def persisted_kv(client, num_keys, seed):
     workers = sorted(client.scheduler_info()["workers"])[:2]
     shape, chunks = (1, num_keys, KV_HEADS, HEAD_DIM), (1, num_keys // 2, KV_HEADS, HEAD_DIM)
     arrays = []
+    def worker_of(key):  # chunk j on worker j; no place for a key of another shape
+        return [workers[key[2]]] if isinstance(key, tuple) and key[2:3] in ((0,), (1,)) else None
+
     for part in range(2):
-        with dask.annotate(workers=lambda key: [workers[key[2]]], allow_other_workers=False):
+        with dask.annotate(workers=worker_of, allow_other_workers=False):
             x = da.random.default_rng(seed + part).standard_normal(shape, chunks=chunks,
                                                                    dtype=np.float32)
         arrays.append(client.persist(x, optimize_graph=False))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .core.device import check_stream, is_device_array, require_cuda
+from .core.dtypes import kernel_view, storage_format
 from .core.interop import as_array
 from .core.kv_cache import (
     ContinuousBatchingKVCache,
@@ -36,9 +37,10 @@ def store_kv(cache, new_rows, input_row_offsets, *, stream=None):
     Parameters
     ----------
     cache : ContinuousBatchingKVCache or PagedKVCache
-        The cache to write into: host arrays, or device blocks of float32 or float64
-        (written on the device by a CUDA kernel; ``new_rows`` may be on the host or the
-        device, and the lengths and tables stay on the host).
+        The cache to write into: host arrays, or device arrays of any storage dtype
+        (written on the device by a CUDA kernel with the same bits as on the host;
+        ``new_rows`` may be on the host or the device, float32 or float64 there, float32
+        for a cache with scales; the lengths and tables stay on the host).
     new_rows : ndarray, shape [T, Hkv, D]
         New rows of all sequences, concatenated, of any float dtype (float64, float32,
         float16, bfloat16, float8): converted to the cache's dtype by rounding to nearest
@@ -87,10 +89,6 @@ def store_kv(cache, new_rows, input_row_offsets, *, stream=None):
     new_rows = as_array("new_rows", new_rows)
     on_device = is_device_array(cache.blocks)
     stream = check_stream(stream, "cuda" if on_device else "cpu")
-    if on_device and (dtype_of(cache.blocks) not in (np.float32, np.float64)
-                      or cache.scales is not None):
-        raise TypeError(f"store_kv writes device caches of float32 or float64 (without "
-                        f"scales), got {dtype_of(cache.blocks)}")
     check_array("new_rows", new_rows, ndim=3)
     _, _, hkv, d = shape_of(cache.blocks)
     if shape_of(new_rows)[1:] != (hkv, d):
@@ -101,6 +99,12 @@ def store_kv(cache, new_rows, input_row_offsets, *, stream=None):
         raise TypeError("new_rows must be of a float dtype (store_kv quantizes them into an "
                         "int8 cache), got int8")
     check_kv_dtype("new_rows", new_rows)
+    if on_device and is_device_array(new_rows) and (
+            dtype_of(new_rows) not in (np.float32, np.float64)
+            or (cache.scales is not None and dtype_of(new_rows) != np.float32)):
+        raise TypeError(f"device new_rows must be float32 or float64 (float32 for a cache "
+                        f"with scales), got {dtype_of(new_rows)}: widen them on the device, "
+                        f"or pass host rows")
     batch = cache.batch_size
     offsets = check_row_offsets(
         "input_row_offsets", input_row_offsets, new_rows.shape[0], "new_rows.shape[0]",
@@ -116,7 +120,7 @@ def store_kv(cache, new_rows, input_row_offsets, *, stream=None):
     pages = layout.lookup_table[seq, pos // layout.page_size] // layout.page_step
     slots = pos % layout.page_size
     if on_device:
-        _store_on_device(cache.blocks, pages, slots, new_rows, stream)
+        _store_on_device(cache, pages, slots, new_rows, stream)
         return cache
     stored, scales = _stored_rows(new_rows, cache.blocks.dtype, cache.scales is not None)
     cache.blocks[pages, slots] = stored
@@ -125,22 +129,31 @@ def store_kv(cache, new_rows, input_row_offsets, *, stream=None):
     return cache
 
 
-def _store_on_device(blocks, pages, slots, new_rows, stream):
-    """``blocks[pages, slots] = new_rows`` on the device, queued on ``stream`` (``new_rows``
-    copied over if on the host)."""
+def _store_on_device(cache, pages, slots, new_rows, stream):
+    """``cache.blocks[pages, slots] = new_rows`` on the device, rounded (and quantized) as
+    :func:`_stored_rows` does, queued on ``stream`` (``new_rows`` copied over if on the host:
+    16-bit ones widened first, exactly; float64 ones for a cache with scales rounded to
+    float32 first, as on the CPU)."""
     cuda = require_cuda()
+
+    def device_view(x):  # Numba's device arrays as they are; other libraries' wrapped
+        return x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x)
+
+    scaled = cache.scales is not None
     if is_device_array(new_rows):
-        new_rows = new_rows if hasattr(new_rows, "copy_to_host") else cuda.as_cuda_array(
-            new_rows)
+        new_rows = device_view(new_rows)
     else:
-        new_rows = cuda.to_device(np.ascontiguousarray(new_rows), stream=stream)
-    if not hasattr(blocks, "copy_to_host"):
-        blocks = cuda.as_cuda_array(blocks)
+        wide = np.float64 if new_rows.dtype == np.float64 and not scaled else np.float32
+        new_rows = cuda.to_device(np.ascontiguousarray(new_rows, dtype=wide), stream=stream)
+    dtype = dtype_of(cache.blocks)
+    blocks = kernel_view(device_view(cache.blocks))
     from .kernels.cuda.store import run_store_cuda  # kernel modules load at the first call
 
     rows = np.ascontiguousarray(np.stack([pages, slots]), dtype=np.int64)
     rows = cuda.to_device(rows, stream=stream)
-    run_store_cuda(blocks, rows[0], rows[1], new_rows, stream)
+    run_store_cuda(blocks, rows[0], rows[1], new_rows, stream, storage_format(dtype),
+                   device_view(cache.scales) if scaled else None,
+                   _QUANT_MAX.get(dtype.name, 0.0))
 
 
 #: The largest finite magnitude of each quantized format: a row's scale maps its largest

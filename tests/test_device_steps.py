@@ -43,15 +43,79 @@ def test_store_kv_on_the_device_writes_what_the_host_writes(kind, dtype, rng):
     np.testing.assert_array_equal(device.blocks.copy_to_host(), host.blocks)
 
 
+def _awkward_rows(rng, shape, dtype):
+    """Rows of every magnitude, with the values rounding finds hard: ties between two
+    16- and 8-bit floats, the edges of the subnormals, values past the largest of each
+    format, signed zeros and inf."""
+    rows = rng.standard_normal(shape) * np.exp(rng.uniform(-25, 25, shape))
+    flat = rows.reshape(-1)
+    edges = [1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 2**-4, 1 + 3 * 2**-3, 2**-133,
+             2**-149, 2**-24, 2**-25 * 3, 2**-9, 2**-17, 448.0, 460.0, 470.0, 57344.0,
+             61440.0, 65520.0, 1e6, -0.0, 0.0, np.inf, -np.inf, 3.0e38]
+    flat[:len(edges)] = edges
+    flat[len(edges):2 * len(edges)] = np.negative(edges)
+    return rows.astype(dtype)
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
+                                     "float8_e4m3fn+scales", "float8_e5m2+scales",
+                                     "int8+scales"])
 @pytest.mark.cuda
 @requires_cuda
-def test_store_kv_refuses_device_caches_it_cannot_write(rng):
+def test_store_kv_rounds_16_and_8_bit_device_caches_as_the_host(storage, rng):
+    """16- and 8-bit device caches (with scales where quantized) get the host's bits: rows
+    rounded to nearest even as ml_dtypes does, e4m3fn saturated, int8 and scaled float8
+    quantized per (row, head); from host rows of several dtypes and device float32 rows."""
+    from numattn.core.dtypes import ml_dtype
+
+    cuda = _cuda()
+    name, _, scaled = storage.partition("+")
+    dtype = np.dtype(np.int8) if name == "int8" else np.dtype(
+        np.float16 if name == "float16" else ml_dtype(name))
+    pages, page_size, kv_heads, head_dim = 4, 8, 2, 48
+    blocks = np.zeros((pages, page_size, kv_heads, head_dim), dtype)
+    scales = np.zeros((pages, page_size, kv_heads), np.float32) if scaled else None
+    lengths, table = np.array([3, 0]), np.array([[1, 3], [0, 2]])
+    offsets = np.array([0, 5, 12])
+
+    def cache(on_device):
+        place = cuda.to_device if on_device else np.copy
+        return numattn.PagedKVCache(place(blocks), lengths, table,
+                                    scales=None if scales is None else place(scales))
+
+    def same(device, host):
+        np.testing.assert_array_equal(device.blocks.copy_to_host().view(np.uint8),
+                                      host.blocks.view(np.uint8))
+        if scaled:
+            np.testing.assert_array_equal(device.scales.copy_to_host(), host.scales)
+
+    row_dtypes = [np.float32, ml_dtype("bfloat16")] + ([] if scaled else [np.float64])
+    for row_dtype in row_dtypes:
+        rows = _awkward_rows(rng, (12, kv_heads, head_dim), np.float64)
+        if scaled:  # finite: a row with inf has an inf scale, and inf / inf is NaN
+            rows = np.where(np.abs(rows) < 1e30, rows, 0.0)
+        rows = rows.astype(row_dtype)
+        host, device = cache(False), cache(True)
+        with np.errstate(over="ignore", invalid="ignore"):
+            numattn.store_kv(host, rows, offsets)
+        numattn.store_kv(device, rows, offsets)  # host rows, copied over
+        same(device, host)
+        if row_dtype == np.float32:
+            device = cache(True)
+            numattn.store_kv(device, cuda.to_device(rows), offsets)  # device rows
+            same(device, host)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_store_kv_refuses_device_rows_it_cannot_read(rng):
     cuda = _cuda()
     blocks = cuda.to_device(np.zeros((2, 4, 1, 4), np.int8))
     cache = numattn.PagedKVCache(blocks, np.array([0]), np.array([[0, 1]]),
                                  scales=(cuda.to_device(np.ones((2, 4, 1), np.float32))))
-    with pytest.raises(TypeError, match="device caches of float32 or float64"):
-        numattn.store_kv(cache, randn(rng, (1, 1, 4), np.float32), np.array([0, 1]))
+    with pytest.raises(TypeError, match="float32 for a cache with scales"):
+        numattn.store_kv(cache, cuda.to_device(randn(rng, (1, 1, 4), np.float64)),
+                         np.array([0, 1]))
     assert (blocks.copy_to_host() == 0).all()
 
 
@@ -201,3 +265,10 @@ def test_merge_and_store_kernels_compile_to_ptx(ptx_compiler):
         ptx_compiler(store._store_cuda_kernel,
                      (real[:, :, :, ::1], types.int64[::1], types.int64[::1],
                       types.float32[:, :, ::1]))
+    # 16- and 8-bit caches: their kernel views (bfloat16, float16, float8, int8)
+    for view in (types.uint16, types.int16, types.uint8, types.int8):
+        for real in (types.float32, types.float64):
+            ptx_compiler(store._store_encoded_cuda_kernel,
+                         (view[:, :, :, ::1], types.int64[::1], types.int64[::1],
+                          real[:, :, ::1], types.int64, types.float32[:, :, ::1],
+                          types.boolean, types.float32, types.boolean, types.float32))

@@ -119,7 +119,8 @@ def test_gpu_check_script_runs_end_to_end(capsys):
     spec.loader.exec_module(gpu_check)
     assert gpu_check.main(["--tiny"]) == 0
     printed = capsys.readouterr().out
-    assert "check: all ok" in printed and "of copy bw" in printed
+    assert "check: all ok" in printed and "of copy bw" in printed and "of GEMM" in printed
+    assert "store_kv into a bfloat16 device cache" in printed and "FAIL" not in printed
     for num_keys in (4096, 32768):
         parts = gpu_check._auto_partitions(require_cuda(), num_keys, 8 * 8, MHAConfig())
         assert type(parts) is int and parts >= 1

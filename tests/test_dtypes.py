@@ -400,3 +400,29 @@ def test_a_strided_torch_view_is_read_through_its_strides(rng):
     q = randn(rng, (1, 4, 16), np.float32)
     assert_close(numattn.decode_attention(q, k, v), reference.decode_attention(q, k, v),
                  np.float32)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("source", [np.float32, np.float64])
+def test_stored_bits_round_as_ml_dtypes(name, source, rng):
+    """The shared body that rounds a value to a format's bits (the CUDA store_kv) gives
+    ml_dtypes' bits for every value of the format, every midpoint between two of them
+    (ties to even), values past the largest (inf, or NaN for e4m3fn), random magnitudes,
+    signed zeros, inf and NaN; a float64 is rounded once, not through float32."""
+    from numattn.core.jit import cpu_jit
+    from numattn.kernels.shared.storage import stored_bits
+
+    encode = cpu_jit(stored_bits)
+    dtype = dtype_of(name)
+    view = {1: np.uint8, 2: np.uint16}[dtype.itemsize]
+    grid = np.arange(1 << (8 * dtype.itemsize), dtype=np.uint32).astype(view).view(dtype)
+    grid = np.unique(grid[np.isfinite(grid)].astype(np.float64))
+    values = np.concatenate([grid, (grid[:-1] + grid[1:]) / 2,
+                             rng.standard_normal(4000) * np.exp(rng.uniform(-40, 40, 4000)),
+                             [np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, 1e38]])
+    values = values.astype(source)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = values.astype(dtype).view(view)
+    code = dtypes.storage_format(dtype)
+    got = np.array([encode(x, code) for x in values]).astype(view)  # float16's: signed
+    assert np.array_equal(got, want), values[got != want][:5]

@@ -268,6 +268,23 @@ def _stored_value_samples(rng, f):
     return samples
 
 
+def _rounding_samples(rng, f):
+    return [(f(x),) for x in (0.5, 1.5, 2.5, -0.5, -2.5, 126.49, -127.5, 0.0, 3.7)]
+
+
+def _minifloat_bits_samples(rng, f):
+    values = (1 + 2**-8, 1 + 3 * 2**-8, 2**-133, 460.0, 1e6, -0.0, INF, -INF, NAN, 0.3)
+    return [(f(x), *_LAYOUTS[name][:3]) for name in _LAYOUTS for x in values]
+
+
+def _stored_bits_samples(rng, f):
+    from numattn.core import dtypes
+
+    formats = [dtypes.storage_format(name if name in ("int8", "float16") else
+                                     dtypes.ml_dtype(name)) for name in _PATTERNS]
+    return [(f(x), code) for code in formats for x in (1 + 2**-8, -0.0, 100.5, 3.0e4, NAN)]
+
+
 #: Sample arguments of every shared body: ``name -> (float_typed, samples(rng, dtype))``;
 #: float-typed bodies are compiled and checked in float32 and float64.
 SAMPLES = {
@@ -299,6 +316,9 @@ SAMPLES = {
     "partitions.partition_bounds": (False, _partition_samples),
     "storage.minifloat": (True, _minifloat_samples),
     "storage.stored_value": (True, _stored_value_samples),
+    "storage.round_half_even": (True, _rounding_samples),
+    "storage.minifloat_bits": (True, _minifloat_bits_samples),
+    "storage.stored_bits": (True, _stored_bits_samples),
 }
 
 
