@@ -139,7 +139,7 @@ def main(argv=None):
         import transformers
     except ImportError:
         parser.error("this benchmark needs torch and transformers: pip install "
-                     "numattn[transformers]")
+                     ".[transformers]")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     contexts = args.contexts or (SMALL_CONTEXTS if args.small else CONTEXTS)

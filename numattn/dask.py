@@ -20,7 +20,7 @@ reads the row of its sequence.  The functions and their captures travel to the w
 with the tasks (pickled by Dask, functions by reference to their module where it can be
 imported there, by value otherwise).
 
-Dask is an optional dependency (``pip install numattn[dask]``); ``import numattn`` does not
+Dask is an optional dependency (``pip install .[dask]``); ``import numattn`` does not
 import this module.  See the documentation page "Beyond one machine".
 """
 
@@ -30,8 +30,8 @@ try:
     import dask.array as da
 except ImportError as exc:  # pragma: no cover - exercised without dask
     raise ImportError(
-        "numattn.dask needs Dask's arrays and distributed scheduler: "
-        "pip install numattn[dask]"
+        "numattn.dask needs Dask's arrays and distributed scheduler: the dask extra, "
+        "pip install .[dask] in numattn's checkout"
     ) from exc
 
 import numpy as np

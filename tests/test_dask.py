@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-da = pytest.importorskip("dask.array", reason="numattn.dask needs dask: pip install numattn[dask]")
+da = pytest.importorskip("dask.array", reason="numattn.dask needs dask: pip install .[dask]")
 distributed = pytest.importorskip("distributed",
                                   reason="numattn.dask's tests need distributed")
 
@@ -384,14 +384,14 @@ def test_decode_refuses_padded_queries(rng):
 
 def test_import_without_dask_says_how_to_install():
     """``import numattn`` does not import dask; ``import numattn.dask`` without dask says
-    ``pip install numattn[dask]``."""
+    ``pip install .[dask]``."""
     code = ("import sys; import numattn; assert 'dask' not in sys.modules, 'dask imported'\n"
             "sys.modules['dask'] = None; sys.modules['dask.array'] = None\n"
             "try:\n    import numattn.dask\nexcept ImportError as e:\n    print(e)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=env, check=True)
-    assert "pip install numattn[dask]" in result.stdout, result.stdout + result.stderr
+    assert "pip install .[dask]" in result.stdout, result.stdout + result.stderr
 
 
 def test_dask_demo_matches_one_process():

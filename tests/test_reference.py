@@ -33,7 +33,7 @@ def _sdpa(q, k, v, causal):
     return o.numpy().transpose(0, 2, 1, 3)
 
 
-@pytest.mark.skipif(_torch() is None, reason="torch is not installed (pip install numattn[bench])")
+@pytest.mark.skipif(_torch() is None, reason="torch is not installed (pip install .[bench])")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2)])
 def test_reference_matches_torch(causal, heads, kv_heads, rng):

@@ -121,7 +121,7 @@ def test_register_is_idempotent():
 def test_import_without_transformers_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "numattn.integrations.transformers")
     monkeypatch.setitem(sys.modules, "transformers", None)
-    with pytest.raises(ImportError, match=r"pip install numattn\[transformers\]"):
+    with pytest.raises(ImportError, match=r"pip install \.\[transformers\]"):
         importlib.import_module("numattn.integrations.transformers")
 
 

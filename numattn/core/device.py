@@ -30,14 +30,16 @@ def get_cuda():
     """
     if importlib.util.find_spec("numba_cuda") is None:
         raise CudaUnavailableError(
-            "CUDA support needs numba-cuda: pip install 'numattn[cuda]' (the numba.cuda "
-            "that numba itself ships, deprecated, cannot compile numattn's kernels)"
+            "CUDA support needs numba-cuda: the cuda extra, pip install '.[cuda]' in "
+            "numattn's checkout (the numba.cuda that numba itself ships, deprecated, "
+            "cannot compile numattn's kernels)"
         )
     try:
         from numba import cuda
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise CudaUnavailableError(
-            "CUDA support needs numba-cuda: pip install 'numattn[cuda]'"
+            "CUDA support needs numba-cuda: the cuda extra, pip install '.[cuda]' in "
+            "numattn's checkout"
         ) from exc
     return cuda
 

@@ -52,7 +52,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised where transformers is absent
     raise ImportError(
         "numattn.integrations.transformers needs PyTorch and Hugging Face transformers: "
-        "pip install numattn[transformers]"
+        "the transformers extra, pip install .[transformers] in numattn's checkout"
     ) from exc
 
 from numattn import (

@@ -2,7 +2,7 @@
 
 Each case times numattn (median of several runs, after a warm-up that compiles) and, round
 by round with it, a baseline: PyTorch's CPU ``scaled_dot_product_attention`` when torch is
-installed (``pip install numattn[bench]``), NumPy otherwise.  Figures are reported as
+installed (``pip install .[bench]``), NumPy otherwise.  Figures are reported as
 useful GFLOP/s (attention FLOPs over visible pairs only) or GB/s (K/V bytes of the live
 cache, read once), as fractions of this machine's own limits measured in the same run
 (float32 GEMM rate of the BLAS NumPy uses; memory read bandwidth of all cores, measured

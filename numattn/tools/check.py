@@ -324,5 +324,6 @@ def main(args) -> int:
     print(f"{len(rows) - failed} passed, {failed} failed")
     if not _cuda.is_available() and not args.cpu_only:
         print("(CUDA backend not checked: no GPU here; NUMBA_ENABLE_CUDASIM=1 runs it in the "
-              "simulator)", file=sys.stderr)
+              "simulator, with the cuda extra installed: pip install '.[cuda]' in numattn's "
+              "checkout)", file=sys.stderr)
     return 1 if failed else 0

@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-check", action="store_true", help="skip the reference comparison")
     demo.add_argument("--dask", action="store_true",
                       help="decode with the KV cache sharded over Dask worker processes "
-                           "(needs numattn[dask])")
+                           "(needs the dask extra, .[dask])")
     demo.add_argument("--workers", type=at_least(1), default=2,
                       help="worker processes with --dask")
     demo.add_argument("--prompt-length", type=at_least(1), default=2048,

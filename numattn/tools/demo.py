@@ -307,7 +307,7 @@ def run_dask_demo(*, batch=2, prompt_length=2048, new_tokens=8, seed=0, workers=
     Raises
     ------
     ImportError
-        Without Dask (``pip install numattn[dask]``).
+        Without Dask (``pip install .[dask]``).
     """
     import distributed
 
