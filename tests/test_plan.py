@@ -432,3 +432,21 @@ def test_flash_plan_refuses_a_stream_on_the_cpu(rng):
     plan = FlashPlan(k, v, CausalMask(), q_input_row_offsets=np.array([0, 2]))
     with pytest.raises(ValueError, match="this call runs on the CPU"):
         plan.run(randn(rng, (2, 2, 4), np.float32), k, v, stream=object())
+
+
+@requires_cuda
+def test_decode_plan_takes_tables_held_on_the_device(rng):
+    """Cache lengths and page tables that are device arrays are read back once, when the
+    plan is made, and give the host tables' results."""
+    cuda = pytest.importorskip("numba.cuda")
+    k, v = make_kv(rng, "paged", [5, 2], [1, 1], 1, 8, np.float32, page_size=4)
+    on_device = [type(x)(cuda.to_device(x.blocks), cuda.to_device(x.cache_lengths),
+                         cuda.to_device(x.lookup_table)) for x in (k, v)]
+    on_device[1] = type(v)(on_device[1].blocks, on_device[0].cache_lengths,
+                           on_device[0].lookup_table)  # K and V share the step's tables
+    q = randn(rng, (2, 2, 8), np.float32)
+    plan = numattn.DecodePlan(*on_device, CausalMask())
+    got = plan.run(cuda.to_device(q), *on_device).copy_to_host()
+    assert_close(got, reference.decode_attention(q, k, v, CausalMask()), np.float32)
+    plain = numattn.decode_attention(cuda.to_device(q), *on_device, CausalMask())
+    assert_same(got, plain.copy_to_host())

@@ -136,7 +136,7 @@ class ContinuousBatchingKVCache(_CacheBase):
         are contiguous is read in place through its strides: head-major blocks
         ``[num_blocks, Hkv, max_seq_len, D]`` given as ``blocks.swapaxes(1, 2)``, the K half
         of a fused ``[num_blocks, 2, max_seq_len, Hkv, D]`` pool.  Only a view whose last
-        axis is strided is copied, on every call ("Layouts" in the concepts page).
+        axis is strided is copied, on every call ("Head-major K/V" in the concepts page).
     cache_lengths : int array or sequence of ints, shape [B]
         Tokens cached for each sequence *before* this step.  A list or tuple is stored as
         an int64 array; an array is kept as given.
@@ -190,8 +190,8 @@ class PagedKVCache(_CacheBase):
         are contiguous is read in place through its strides: head-major pages
         ``[num_pages, Hkv, page_size, D]`` (vLLM's and FlashInfer's HND layout) given as
         ``pages.swapaxes(1, 2)``, the K half of a fused ``[pages, 2, page_size, Hkv, D]``
-        pool.  Only a view whose last axis is strided is copied, on every call ("Layouts" in
-        the concepts page).
+        pool.  Only a view whose last axis is strided is copied, on every call
+        ("Head-major K/V" in the concepts page).
     cache_lengths : int array or sequence of ints, shape [B]
         Tokens cached for each sequence *before* this step.  A list or tuple is stored as
         an int64 array; an array is kept as given.
