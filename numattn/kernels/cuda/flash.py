@@ -85,9 +85,10 @@ def run_flash_cuda(problem, stream=0, step_tables=None):
                                     config.block_k, int(row_counts(q_offsets).max(initial=1)))
     tables = None if step_tables is None else step_tables.get(rows)
     if tables is None:
-        tables = flash_tables_to_device(problem, rows, on_device)
-        if step_tables is not None:
-            step_tables[rows] = tables
+        if step_tables is None:
+            tables = flash_tables_to_device(problem, rows, on_device)
+        else:  # a plan's, for later runs on any stream: copied before this call returns
+            tables = step_tables[rows] = flash_tables_to_device(problem, rows, cuda.to_device)
     d_q_offsets, d_q_start_pos, tile_seq, tile_row0, table, row_base, num_keys, d_program = (
         tables)
     d_out = on_device(out) if out is not None and is_device_array(out) else None
