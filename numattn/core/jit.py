@@ -261,13 +261,15 @@ def _announce_compile(target, name, argtypes):
     _COMPILE_ANNOUNCED.append(True)
     text = argtypes if isinstance(argtypes, str) else ", ".join(map(str, argtypes))
     dtypes = sorted(set(re.findall(r"array\((float\d+)", text)))
+    # measured on 2 cores (benchmarks/cold_calls.py): 7-14 s for small calls, a few seconds
+    # more where a call also takes the parallel path
+    cost = "about 10-20 s at each operation's first call"
     if target == "cuda":
         cost, later = "seconds at each kernel's first launch", "not cached on disk"
     elif CPU_OPTS["cache"] and not _UNCACHED_WARNED:
-        cost = "about 10-60 s at each operation's first call"
         later = "cached on disk for later processes; `python -m numattn warmup` compiles all ahead"
     else:
-        cost, later = "about 10-60 s at each operation's first call", "not cached on disk"
+        later = "not cached on disk"
     COMPILE_LOG.warning(
         "numattn: compiling %s kernels (first %s%s), %s; %s; "
         "logging.getLogger('numattn').setLevel(logging.ERROR) hides this note",
