@@ -110,6 +110,20 @@ def test_decode_on_worker_processes(client, rng, mask_name, sinks):
     _check(_compute(result, client), single, expected, np.float32)
 
 
+def test_large_numpy_queries_go_straight_to_a_worker(client, rng):
+    """NumPy queries of a megabyte or more are scattered to a worker (a future in the
+    graph), not carried in the graph through the scheduler; the result is the same."""
+    q = randn(rng, (1, 2048, 4, 32), np.float32)  # 1 MiB
+    k, v = (randn(rng, (1, 40, 2, 32), np.float32) for _ in range(2))
+    kd, vd = (da.from_array(x, chunks=(1, 20, 2, 32)) for x in (k, v))
+    out = nd.flash_attention_kv_cache(q, kd, vd, CausalMask())
+    assert distributed.futures_of(out), "q was not scattered"
+    small = nd.flash_attention_kv_cache(q[:, :8], kd, vd, CausalMask())
+    assert not distributed.futures_of(small)
+    want = numattn.flash_attention_kv_cache(q, k, v, CausalMask())
+    assert_close(client.compute(out, sync=True), want.astype(np.float64), tol=1e-5)
+
+
 @pytest.mark.parametrize("mask_name", ["causal", "or"])
 def test_threaded_scheduler(rng, mask_name):
     for decode in (False, True):
