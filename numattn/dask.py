@@ -59,7 +59,7 @@ __all__ = ["decode_attention", "flash_attention_kv_cache"]
 #: The default mask of decode (a frozen dataclass, safe to share).
 NO_MASK = NullMask()
 #: NumPy inputs this large are scattered to a worker rather than put in the graph
-#: (measured: flash at S=N=8192 took 1.23x one process so, 1.40x with q in the graph).
+#: (figures: "Beyond one machine" in docs/performance.rst).
 SCATTER_BYTES = 1 << 20
 
 

@@ -46,6 +46,19 @@ def layers(rng, k, v, count=3):
     return [(k, v)] + [other_layer(rng, k, v) for _ in range(count - 1)]
 
 
+def counted_calls(monkeypatch, module, name):
+    """A list that grows by the arguments of each call of ``module.name`` from now on."""
+    calls = []
+    original = getattr(module, name)
+
+    def counted(*args):
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def assert_same(got, want):
     """Bitwise the same results (out, or (out, lse))."""
     if isinstance(want, tuple):
@@ -358,14 +371,7 @@ def test_decode_plan_on_cuda_copies_the_step_tables_once(rng, monkeypatch):
     serve every layer after it; each layer still gives the plain call's bits."""
     from numattn.kernels.cuda import split_k
 
-    copies = []
-
-    def counted(*args):
-        copies.append(args)
-        return step_tables_to_device(*args)
-
-    step_tables_to_device = split_k.step_tables_to_device
-    monkeypatch.setattr(split_k, "step_tables_to_device", counted)
+    copies = counted_calls(monkeypatch, split_k, "step_tables_to_device")
     tiny = MHAConfig(block_k=4, threads_per_block=32)
     k, v = make_kv(rng, "paged", [6, 3], [1, 1], 1, 4, np.float32, page_size=3)
     mask = SlidingWindowCausalMask(3)
@@ -390,14 +396,7 @@ def test_flash_plan_on_cuda_copies_the_step_tables_once(rng, monkeypatch, on_dev
     from numattn.kernels.cuda import flash
 
     cuda = pytest.importorskip("numba.cuda")
-    copies = []
-
-    def counted(*args):
-        copies.append(args)
-        return flash_tables_to_device(*args)
-
-    flash_tables_to_device = flash.flash_tables_to_device
-    monkeypatch.setattr(flash, "flash_tables_to_device", counted)
+    copies = counted_calls(monkeypatch, flash, "flash_tables_to_device")
     tiny = MHAConfig(block_q=2, block_k=4, threads_per_block=32)
     offsets = np.array([0, 3, 4, 7])
     k, v = make_kv(rng, "paged", [5, 0, 6], [3, 1, 3], 1, 4, np.float32, page_size=3)

@@ -261,8 +261,7 @@ def _announce_compile(target, name, argtypes):
     _COMPILE_ANNOUNCED.append(True)
     text = argtypes if isinstance(argtypes, str) else ", ".join(map(str, argtypes))
     dtypes = sorted(set(re.findall(r"array\((float\d+)", text)))
-    # measured on 2 cores (benchmarks/cold_calls.py): 7-14 s for small calls, a few seconds
-    # more where a call also takes the parallel path
+    # on 2 cores ("Compiling and importing" in docs/performance.rst)
     cost = "about 10-20 s at each operation's first call"
     if target == "cuda":
         cost, later = "seconds at each kernel's first launch", "not cached on disk"

@@ -57,8 +57,8 @@ def zigzag_schedule(cost, num_threads):
 @body
 def by_decreasing_cost(cost):
     """Item indices by decreasing ``cost``, ties in index order: ``np.argsort(-cost,
-    kind="mergesort")`` as a bottom-up merge sort of its own (Numba's took 0.7 s of a
-    first call's compiling, this one 0.3 s)."""
+    kind="mergesort")`` as a bottom-up merge sort of its own, which compiles in half the
+    time of Numba's ("Compiling and importing" in docs/performance.rst)."""
     n = cost.shape[0]
     order = np.arange(n)
     spare = np.empty(n, dtype=order.dtype)

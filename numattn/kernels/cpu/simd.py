@@ -200,8 +200,8 @@ def prefetch_row(blocks, page, slot, num_lines):
     ``blocks[page, slot]``: the page a stream of rows enters next, wherever in it the row
     starts (a hint, which never faults: nothing happens in plain Python).  Nothing for
     strided (head-major) ``blocks``, where each KV head's rows are a stream of their own
-    that the hardware prefetcher follows (decode with hints of each head's page: 1.17x
-    the time of token-major; without: 1.14x)."""
+    that the hardware prefetcher follows better without them ("Head-major K/V" in
+    docs/performance.rst)."""
 
 
 def prefetch_head(blocks, page, slot, head):
