@@ -5,9 +5,9 @@
 chunked along the batch ``B`` and the keys ``N``: every chunk of keys is attended where it
 lives (one task per (batch chunk, key chunk), and per piece of the queries for flash, that
 calls the single-process CPU operation on its blocks, with ``return_lse=True``), and the
-partial results are combined with
-:func:`numattn.merge_states` in a tree of pairs (``ceil(log2(key chunks))`` levels deep).
-K and V never move: what travels is each task's partial output and log-sum-exp,
+partial results are combined with :func:`numattn.merge_states` in a tree of pairs
+(``ceil(log2(key chunks))`` levels deep).  K and V never move (:class:`KVPlacement` runs
+each task where its chunk is): what travels is each task's partial output and log-sum-exp,
 ``B S H (D + 1)`` numbers per key chunk, and the queries (NumPy queries of a megabyte or
 more sent straight to a worker when a distributed ``Client`` is the default scheduler).
 
@@ -36,7 +36,14 @@ except ImportError as exc:  # pragma: no cover - exercised without dask
         "pip install .[dask] in numattn's checkout"
     ) from exc
 
+import warnings
+
 import numpy as np
+
+try:
+    from distributed.diagnostics.plugin import SchedulerPlugin
+except ImportError:  # pragma: no cover - dask without distributed: no Client, no plugin
+    SchedulerPlugin = object
 
 from .core.functions import bind_functions
 from .core.masks import (
@@ -54,13 +61,18 @@ from .decode import decode_attention as _decode_attention
 from .flash import flash_attention_kv_cache as _flash_attention_kv_cache
 from .merge import merge_states
 
-__all__ = ["decode_attention", "flash_attention_kv_cache"]
+__all__ = ["KVPlacement", "decode_attention", "flash_attention_kv_cache"]
 
 #: The default mask of decode (a frozen dataclass, safe to share).
 NO_MASK = NullMask()
 #: NumPy inputs this large are scattered to a worker rather than put in the graph
 #: (figures: "Beyond one machine" in docs/performance.rst).
 SCATTER_BYTES = 1 << 20
+#: The name of the partial-state tasks (fused tasks' names start with it too), which
+#: :class:`KVPlacement` places where their K/V chunks are.
+PARTIAL_STATE_NAME = "numattn-partial-state"
+#: The ids of the clients whose schedulers have :class:`KVPlacement`.
+_PLACED_CLIENTS = set()
 
 
 def flash_attention_kv_cache(q, k, v, mask, scale=None, *, sink_weights=None, score_mod=None,
@@ -237,6 +249,54 @@ def _default_client():
     return client if dask.base.get_scheduler() == client.get else None
 
 
+def _place_tasks_with_their_chunks(client):
+    """Install :class:`KVPlacement` on ``client``'s scheduler (once per client)."""
+    if client.id in _PLACED_CLIENTS:
+        return
+    _PLACED_CLIENTS.add(client.id)
+    try:
+        client.register_plugin(KVPlacement(), name=KVPlacement.name)
+    except Exception as exc:  # e.g. a scheduler without numattn installed
+        warnings.warn(f"numattn.dask could not install its task placement on the scheduler "
+                      f"({type(exc).__name__}: {exc}); tasks run where Dask's scheduler "
+                      f"puts them, which may move K/V chunks between workers (install "
+                      f"numattn where the scheduler runs)", RuntimeWarning, stacklevel=4)
+
+
+class KVPlacement(SchedulerPlugin):
+    """A scheduler plugin that runs each partial-state task of ``numattn.dask`` on the
+    workers that already hold the most bytes of its inputs: its K/V chunk, when the cache
+    is persisted on the cluster.
+
+    Left to itself, Dask's scheduler weighs a chunk's transfer against the workers' load
+    and fetched up to half of the K/V chunks of a prefill to balance it (measured: "Beyond one
+    machine" in docs/performance.rst).  Layer annotations (``dask.annotate(workers=...)``)
+    would say the same but do not reach the scheduler: Dask's low-level graph fusion drops
+    them.  This sets the restriction on the scheduler's task itself as the graph arrives,
+    before any task of it runs.  The restriction is loose: should those workers be gone,
+    the task runs elsewhere rather than wait.  Tasks whose inputs are not yet in memory
+    anywhere (a cache still to be computed) are left to the scheduler.
+    """
+
+    name = "numattn-kv-placement"
+
+    def update_graph(self, scheduler, *, tasks, **kwargs):
+        for key in tasks:
+            name = key[0] if isinstance(key, tuple) else key
+            ts = scheduler.tasks.get(key)
+            if (not isinstance(name, str) or not name.startswith(PARTIAL_STATE_NAME)
+                    or ts is None or ts.worker_restrictions):
+                continue
+            held = {}
+            for dependency in ts.dependencies:
+                for worker in dependency.who_has or ():
+                    held[worker.address] = held.get(worker.address, 0) + dependency.nbytes
+            if held:
+                most = max(held.values())
+                ts.worker_restrictions = {w for w, size in held.items() if size == most}
+                ts.loose_restrictions = True
+
+
 def _check_kv_chunks(k, v):
     """K/V chunked along B and N only, both alike."""
     if k.chunks != v.chunks:
@@ -334,6 +394,9 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
         args += _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks,
                                n_chunks, None if decode else q.chunks[1])
     out_ind = "bnhd" if decode else "bnshd"
+    client = _default_client()
+    if client is not None:
+        _place_tasks_with_their_chunks(client)
     parts = _partial_states(args, out_ind, head_dim, dtype, operation=operation, mask=mask,
                             num_keys=num_keys, num_rows=q_rows, scale=scale,
                             sink_weights=sink_weights, score_mod=score_mod, decode=decode)
@@ -347,9 +410,9 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
 def _partial_states(args, out_ind, head_dim, dtype, **kwargs):
     """The blockwise layer of partial states, ``[B, key chunks, (S,) H, D + 1]``."""
     return da.blockwise(
-        _partial_state, out_ind, *args, adjust_chunks={"n": 1, "d": head_dim + 1},
-        align_arrays=False, concatenate=False, dtype=dtype,
-        meta=np.empty((0,) * len(out_ind), dtype=dtype), **kwargs)
+        _partial_state, out_ind, *args, token=PARTIAL_STATE_NAME,
+        adjust_chunks={"n": 1, "d": head_dim + 1}, align_arrays=False, concatenate=False,
+        dtype=dtype, meta=np.empty((0,) * len(out_ind), dtype=dtype), **kwargs)
 
 
 def _query_pieces(rows, kv_chunk_keys, num_heads, num_kv_heads):
