@@ -271,6 +271,7 @@ def test_placement_that_cannot_be_installed_warns_once(rng, monkeypatch):
             raise ModuleNotFoundError("No module named 'numattn'")
 
     monkeypatch.setattr(nd, "_default_client", lambda: Client())
+    monkeypatch.setattr(nd, "_PLACED_CLIENTS", set())
     q, _, _, kd, vd = _sharded(rng, np.float32, decode=True)
     with pytest.warns(RuntimeWarning, match="No module named 'numattn'.*install numattn "
                                             "where the scheduler runs"):
