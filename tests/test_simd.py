@@ -22,19 +22,27 @@ from .utils import assert_close, randn
 PREFETCH_KEYS = internals.cpu_split_k.PREFETCH_KEYS
 
 
+#: This machine's (vector bytes, vector registers).
+HERE = (_simd.target_vector_bytes(), _simd.target_vector_registers())
+
+
 def _builds(*builds):
-    """Parameter sets of intrinsic builds (a vector width, with the bytes ahead the blocks
-    ask for rows' lines, if given): those of this machine's vector width run in the fast
-    tier, the others (each a compile of its own, for other machines) are ``slow``."""
-    return [pytest.param(*build, marks=() if build[0] == _simd.target_vector_bytes()
-                         else pytest.mark.slow) for build in builds]
+    """Parameter sets of intrinsic builds (a vector width and register count, with the bytes
+    ahead the blocks ask for rows' lines, if given): those of this machine's width and
+    registers run in the fast tier, the others (each a compile of its own, for other
+    machines) are ``slow``."""
+    return [pytest.param(*build, marks=() if tuple(build[:2]) == HERE else pytest.mark.slow)
+            for build in builds]
 
 
 WIDTHS = [16, 32, 64]
-#: (vector bytes, bytes ahead the blocks ask for rows' lines): every width with the requests
-#: (whatever this machine's default), and this machine's widest without them
-BLOCK_BUILDS = _builds((16, _simd.STREAM_PREFETCH_BYTES), (32, _simd.STREAM_PREFETCH_BYTES),
-                       (64, _simd.STREAM_PREFETCH_BYTES), (64, 0))
+#: (vector bytes, vector registers) of the targets: SSE and AVX2 (16 registers: blocks of
+#: four heads in two passes of two keys, tiles of two vectors), AVX-512 and NEON (32).
+TARGETS = [(16, 16), (32, 16), (64, 32), (16, 32)]
+#: (vector bytes, registers, bytes ahead the blocks ask for rows' lines): every target with
+#: the requests (whatever this machine's default), and AVX-512 without them
+BLOCK_BUILDS = _builds(*((*target, _simd.STREAM_PREFETCH_BYTES) for target in TARGETS),
+                       (64, 32, 0))
 DTYPES = [np.float32, np.float64]
 #: (compute dtype, K/V storage dtype name): the native pairs, and float32 reading every
 #: other storage format (in this machine's vector width; :func:`stored_pairs`)
@@ -47,10 +55,10 @@ NUM_KEYS = [1, 3, 4, 7, 12]  # the last block cut short, or not
 
 
 @functools.cache
-def kernels(vector_bytes, prefetch_bytes=_simd.STREAM_PREFETCH_BYTES):
-    """Jitted loops over every block of a tile, calling the intrinsics of one width (whose
-    blocks ask for lines ``prefetch_bytes`` ahead of their loads)."""
-    built = _simd.build_intrinsics(vector_bytes, prefetch_bytes)
+def kernels(vector_bytes, vector_registers, prefetch_bytes=_simd.STREAM_PREFETCH_BYTES):
+    """Jitted loops over every block of a tile, calling the intrinsics of one width and
+    register count (whose blocks ask for lines ``prefetch_bytes`` ahead of their loads)."""
+    built = _simd.build_intrinsics(vector_bytes, prefetch_bytes, vector_registers)
     scores_4, scores_2, scores_1 = (built[f"scores_block_{r}"] for r in (4, 2, 1))
     values_4, values_2, values_1 = (built[f"values_block_{r}"] for r in (4, 2, 1))
     tile_4, tile_2, tile_1 = (built[f"values_tile_{r}"] for r in (4, 2, 1))
@@ -176,7 +184,7 @@ def cases(rng, dtype, vector_bytes, key_counts, storage=None):
 def test_widen_row(dtype, storage, rng):
     """The flash gather's widening copy of rows: exactly the stored values, every bit
     pattern of the 8-bit formats included (tails masked: nothing past D written)."""
-    gather = kernels(_simd.target_vector_bytes())[3]
+    gather = kernels(*HERE)[3]
     for head_dim in HEAD_DIMS:
         _, k_blocks, _, pages, slots = problem(rng, 1, head_dim, 9, dtype, storage)
         if storage.startswith("float8") or storage == "int8":  # all 256 patterns
@@ -198,17 +206,19 @@ def expected_scores(qs, k_blocks, pages, slots, group):
 
 
 def block_cases():
-    """(vector bytes, bytes ahead, compute dtype, storage): every build in the native pairs,
-    the other storage formats in this machine's widest build."""
-    here = (_simd.target_vector_bytes(), _simd.STREAM_PREFETCH_BYTES)
+    """(vector bytes, registers, bytes ahead, compute dtype, storage): every build in the
+    native pairs, the other storage formats in this machine's build."""
     return ([pytest.param(*build.values, *pair, marks=build.marks)
              for build in BLOCK_BUILDS for pair in NATIVE_PAIRS]
-            + [(*here, *pair) for pair in STORED_PAIRS])
+            + [(*HERE, _simd.STREAM_PREFETCH_BYTES, *pair) for pair in STORED_PAIRS])
 
 
-@pytest.mark.parametrize("vector_bytes, prefetch_bytes, dtype, storage", block_cases())
-def test_scores_blocks(vector_bytes, prefetch_bytes, dtype, storage, rng):
-    all_scores = kernels(vector_bytes, prefetch_bytes)[0]
+BLOCK_PARAMETERS = "vector_bytes, vector_registers, prefetch_bytes, dtype, storage"
+
+
+@pytest.mark.parametrize(BLOCK_PARAMETERS, block_cases())
+def test_scores_blocks(vector_bytes, vector_registers, prefetch_bytes, dtype, storage, rng):
+    all_scores = kernels(vector_bytes, vector_registers, prefetch_bytes)[0]
     for group, n, (qs, k_blocks, _, pages, slots), what in cases(rng, dtype, vector_bytes,
                                                                  NUM_KEYS, storage):
         # a strided view: positions past n, if written, would land in the margin
@@ -221,9 +231,9 @@ def test_scores_blocks(vector_bytes, prefetch_bytes, dtype, storage, rng):
         assert np.isnan(buffer[:, n:]).all(), what
 
 
-@pytest.mark.parametrize("vector_bytes, prefetch_bytes, dtype, storage", block_cases())
-def test_values_blocks(vector_bytes, prefetch_bytes, dtype, storage, rng):
-    all_values = kernels(vector_bytes, prefetch_bytes)[1]
+@pytest.mark.parametrize(BLOCK_PARAMETERS, block_cases())
+def test_values_blocks(vector_bytes, vector_registers, prefetch_bytes, dtype, storage, rng):
+    all_values = kernels(vector_bytes, vector_registers, prefetch_bytes)[1]
     for group, n, (qs, _, v_blocks, pages, slots), what in cases(rng, dtype, vector_bytes,
                                                                  (4, 8, 12), storage):
         weights = randn(rng, (qs.shape[0], n), dtype)
@@ -238,24 +248,26 @@ def test_values_blocks(vector_bytes, prefetch_bytes, dtype, storage, rng):
 
 
 def tile_cases():
-    """(vector bytes, compute dtype, storage): as :func:`block_cases`."""
+    """(vector bytes, registers, compute dtype, storage): as :func:`block_cases`."""
     return ([pytest.param(*build.values, *pair, marks=build.marks)
-             for build in _builds(*((width,) for width in WIDTHS)) for pair in NATIVE_PAIRS]
-            + [(_simd.target_vector_bytes(), *pair) for pair in STORED_PAIRS])
+             for build in _builds(*TARGETS) for pair in NATIVE_PAIRS]
+            + [(*HERE, *pair) for pair in STORED_PAIRS])
 
 
-@pytest.mark.parametrize("vector_bytes, dtype, storage", tile_cases())
-def test_values_tiles(vector_bytes, dtype, storage, rng):
+@pytest.mark.parametrize("vector_bytes, vector_registers, dtype, storage", tile_cases())
+def test_values_tiles(vector_bytes, vector_registers, dtype, storage, rng):
     """The whole-tile sums, for every row short enough for them (tails masked, no element
     past D read or written: the rows no key uses hold NaN, and acc sits in a NaN margin)."""
-    tile_values = kernels(vector_bytes)[2]
+    tile_values = kernels(vector_bytes, vector_registers)[2]
     tested = 0
-    for head_dim in [1, 5, 16, 37, 64, 65]:
-        if not _simd.values_tile_fits(head_dim, np.dtype(dtype).itemsize, vector_bytes):
+    for head_dim in [1, 3, 4, 5, 16, 37, 64, 65]:
+        if not _simd.values_tile_fits(head_dim, np.dtype(dtype).itemsize, vector_bytes,
+                                      vector_registers):
             continue
         for group in GROUPS:
             for n in NUM_KEYS:
-                what = f"{vector_bytes}-byte vectors, group {group}, D={head_dim}, n={n}"
+                what = (f"{vector_bytes}-byte vectors, {vector_registers} registers, "
+                        f"group {group}, D={head_dim}, n={n}")
                 qs, _, v_blocks, pages, slots = problem(rng, group, head_dim, n, dtype,
                                                         storage)
                 weights = randn(rng, (qs.shape[0], n), dtype)
@@ -373,10 +385,20 @@ def test_exp_row(dtype, rng):
 
 
 def test_values_tile_fits():
-    """Up to TILE_VECTORS vectors per row."""
-    assert _simd.values_tile_fits(64, 4, 64) and not _simd.values_tile_fits(65, 4, 64)
-    assert _simd.values_tile_fits(32, 8, 64) and not _simd.values_tile_fits(33, 8, 64)
-    assert _simd.values_tile_fits(16, 4, 16) and not _simd.values_tile_fits(17, 4, 16)
+    """Up to TILE_VECTORS vectors per row with 32 registers, half as many with 16."""
+    assert _simd.values_tile_fits(64, 4, 64, 32) and not _simd.values_tile_fits(65, 4, 64, 32)
+    assert _simd.values_tile_fits(32, 8, 64, 32) and not _simd.values_tile_fits(33, 8, 64, 32)
+    assert _simd.values_tile_fits(16, 4, 16, 32) and not _simd.values_tile_fits(17, 4, 16, 32)
+    assert _simd.values_tile_fits(16, 4, 32, 16) and not _simd.values_tile_fits(17, 4, 32, 16)
+    assert _simd.values_tile_fits(8, 4, 16, 16) and not _simd.values_tile_fits(9, 4, 16, 16)
+
+
+@pytest.mark.parametrize("rows, vector_registers, expected", [
+    (4, 32, 4), (2, 32, 4), (1, 32, 4), (4, 16, 2), (2, 16, 4), (1, 16, 4)])
+def test_keys_per_pass_fit_the_registers(rows, vector_registers, expected):
+    """Four heads by four keys in one pass with 32 registers, in two passes of two with
+    16 (sixteen sums, four query vectors and four K rows would not fit them)."""
+    assert _simd.keys_per_pass(rows, vector_registers) == expected
 
 
 @pytest.mark.parametrize("dtype, storage", [(np.float64, "float64"), (np.float32, "bfloat16"),

@@ -83,7 +83,8 @@ __all__ = [
 BLOCK_KEYS = 4
 #: Query heads per block that the functions come in (a KV head's group is cut into these).
 BLOCK_ROWS = (4, 2, 1)
-#: Vectors per row that :func:`values_tile_4` keeps in registers (4 rows of 4: sixteen).
+#: Vectors per row that :func:`values_tile_4` keeps in registers (4 rows of 4: sixteen)
+#: on machines with 32 vector registers; half as many with 16 (:func:`tile_vectors`).
 TILE_VECTORS = 4
 #: Running sums of :func:`lane_sum` (lanes of its vector, on every machine).
 SUM_LANES = 16
@@ -275,11 +276,32 @@ def _values_tile(rows):
     return values_tile
 
 
-def values_tile_fits(head_dim, itemsize, vector_bytes=None):
+def values_tile_fits(head_dim, itemsize, vector_bytes=None, vector_registers=None):
     """Whether rows of ``head_dim`` elements of ``itemsize`` bytes fit the registers of
-    :func:`values_tile_4` (:data:`TILE_VECTORS` vectors of this machine's width)."""
+    :func:`values_tile_4` (:func:`tile_vectors` vectors of this machine's width)."""
     vector_bytes = vector_bytes or target_vector_bytes()
-    return head_dim * itemsize <= TILE_VECTORS * vector_bytes
+    vector_registers = vector_registers or target_vector_registers()
+    return head_dim * itemsize <= tile_vectors(vector_registers) * vector_bytes
+
+
+def tile_vectors(vector_registers):
+    """Vectors per row :func:`values_tile_4` keeps in registers: :data:`TILE_VECTORS` with
+    32 vector registers, half as many with 16 (four rows' sums, four weights and a row of V
+    must fit them)."""
+    return TILE_VECTORS if vector_registers >= 32 else TILE_VECTORS // 2
+
+
+def keys_per_pass(rows, vector_registers):
+    """Keys of a block that one pass over the rows of :func:`scores_block_4` (and
+    :func:`values_block_4`, ``_2``, ``_1``) handles: as many of the four as keep the pass's
+    ``rows * keys`` sums (or weights), ``rows`` query vectors and ``keys`` K or V vectors
+    in ``vector_registers`` registers, with two to spare.  Four heads by four keys need 24:
+    with AVX2's or SSE's 16 registers they take two passes of two keys, which spilled
+    nothing where the single pass spilled a dozen vectors per step."""
+    keys = BLOCK_KEYS
+    while keys > 1 and rows * keys + rows + keys > vector_registers - 2:
+        keys //= 2
+    return keys
 
 
 scores_block_4 = _scores_block(4)
@@ -425,6 +447,17 @@ def target_vector_bytes():
 
 
 @functools.cache
+def target_vector_registers():
+    """Vector registers of the target: 32 with AVX-512 and on 64-bit Arm, else 16 (AVX,
+    AVX2, SSE).  Follows ``NUMBA_CPU_FEATURES`` when it is set."""
+    import platform
+
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return 32
+    return 32 if target_vector_bytes() == 64 else 16
+
+
+@functools.cache
 def stream_prefetch_bytes():
     """How far ahead of each vector load of a K or V row the block functions ask for a line:
     :data:`STREAM_PREFETCH_BYTES` on x86 cores other than AMD's (it was measured on Intel's),
@@ -441,30 +474,37 @@ def stream_prefetch_bytes():
     return 0 if name.startswith(AMD_CPU_PREFIXES) else STREAM_PREFETCH_BYTES
 
 
-def build_intrinsics(vector_bytes, prefetch_bytes=None):
+def build_intrinsics(vector_bytes, prefetch_bytes=None, vector_registers=None):
     """The Numba intrinsics of this module's functions, for vectors of ``vector_bytes``
     (their LLVM code is in :mod:`.simd_llvm`).
 
     ``prefetch_bytes`` (default :func:`stream_prefetch_bytes`) is how far ahead of its
-    loads of K and V rows each block function asks for lines, 0 for not at all.
+    loads of K and V rows each block function asks for lines, 0 for not at all;
+    ``vector_registers`` (default :func:`target_vector_registers`) how many vector
+    registers the blocks may keep busy (:func:`keys_per_pass`, :func:`tile_vectors`).
     Returns ``{function name: intrinsic}``.  (:func:`register` installs them; tests also
-    build them for narrower vectors than this machine's, with and without the requests.)
+    build them for other machines' widths and register counts, with and without the
+    requests.)
     """
     from . import simd_llvm
 
     if prefetch_bytes is None:
         prefetch_bytes = stream_prefetch_bytes()
+    if vector_registers is None:
+        vector_registers = target_vector_registers()
     built = {"prefetch_row": simd_llvm.prefetch_row_intrinsic(),
              "prefetch_head": simd_llvm.prefetch_head_intrinsic(),
              "row_max": simd_llvm.row_max_intrinsic(),
              "exp_row": simd_llvm.exp_row_intrinsic(),
              "widen_row": simd_llvm.widen_row_intrinsic(vector_bytes)}
     for rows in BLOCK_ROWS:
+        keys = keys_per_pass(rows, vector_registers)
         built[f"scores_block_{rows}"] = simd_llvm.scores_block_intrinsic(
-            rows, vector_bytes, prefetch_bytes)
+            rows, vector_bytes, prefetch_bytes, keys)
         built[f"values_block_{rows}"] = simd_llvm.values_block_intrinsic(
-            rows, vector_bytes, prefetch_bytes)
-        built[f"values_tile_{rows}"] = simd_llvm.values_tile_intrinsic(rows, vector_bytes)
+            rows, vector_bytes, prefetch_bytes, keys)
+        built[f"values_tile_{rows}"] = simd_llvm.values_tile_intrinsic(
+            rows, vector_bytes, tile_vectors(vector_registers))
     return built
 
 

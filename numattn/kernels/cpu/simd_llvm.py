@@ -29,6 +29,7 @@ from .simd import (
     exponent_field,
 )
 
+I16 = ir.IntType(16)
 I32 = ir.IntType(32)
 I64 = ir.IntType(64)
 
@@ -140,9 +141,10 @@ class StoredRows:
     (:func:`numattn.core.dtypes.kernel_view`): float32/float64 are read as they are (or
     rounded to float32), uint16 holds bfloat16 bits (moved to a float32's upper half),
     int16 float16 bits (``fpext``), uint8 float8 bits of the format ``kv_format`` says
-    (e4m3fn or e5m2: the exponent and mantissa moved into a float32 and rebiased, the
-    subnormals as integers times their step; NaN and infinities by compares), int8
-    integers (``sitofp``).  The rules are those of
+    (made float16 bits, widened as float16 is: e5m2 is a float16's upper byte; e4m3fn's
+    exponent is one bit narrower, so its bits go one place lower, the sign one place up,
+    and the float16, whose bias is 8 more, is scaled by 2^8, with a compare for its NaN,
+    which float16 reads as 480), int8 integers (``sitofp``).  The rules are those of
     :func:`numattn.kernels.shared.storage.stored_value`.
     """
 
@@ -159,17 +161,16 @@ class StoredRows:
         if self.kind == "uint8":
             lanes = vec.lanes
             e5m2 = builder.icmp_signed("==", kv_format, const(FORMAT_E5M2))
+            element = vec.type.element
 
-            def pick(if_e5m2, if_e4m3, element=I32):
+            def pick(if_e5m2, if_e4m3, element=I16):
                 return broadcast(builder, builder.select(
                     e5m2, ir.Constant(element, if_e5m2), ir.Constant(element, if_e4m3)), lanes)
 
-            self.shift = pick(21, 20)  # the exponent's lowest bit to a float32's
-            self.rebias = pick(112 << 23, 120 << 23)  # float32's exponent bias less the format's
-            self.normal_from = pick(4, 8)  # magnitudes below it are subnormal (exponent 0)
-            self.subnormal_unit = pick(2.0 ** -16, 2.0 ** -9, ir.FloatType())  # their step
-            self.nan_from = pick(0x7D, 0x7F)  # magnitudes at or above it are NaN
-            self.inf_at = pick(0x7C, 0x100)  # the magnitude of infinity (none in e4m3fn)
+            self.sign_carry = pick(0, 0x80)  # e4m3fn: the sign, added to itself, moves up
+            self.shift = pick(8, 7)  # the bits to their float16 places
+            self.scale = pick(1.0, 2.0 ** 8, element)  # float16's bias less the format's
+            self.nan_image = pick(float("nan"), 480.0, element)  # e4m3fn's NaN, so read
 
     def _raw(self, ptr, offset, mask):
         builder = self.builder
@@ -196,24 +197,20 @@ class StoredRows:
         if self.kind == "int16":  # float16
             return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), lanes)),
                                  target)
-        wide = builder.zext(raw, i32)
         if self.kind == "uint16":  # bfloat16
+            wide = builder.zext(raw, i32)
             return builder.bitcast(builder.shl(wide, splat_i32(lanes, 16)), target)
-        # float8: a normal |x|'s exponent and mantissa moved into place and rebiased; a
-        # subnormal's as an integer times its step (no float32 subnormal is ever formed: they
-        # cost a microcode assist per operation); then NaN, infinity and the sign
-        magnitude = builder.and_(wide, splat_i32(lanes, 0x7F))
-        normal = builder.bitcast(builder.add(builder.shl(magnitude, self.shift), self.rebias),
-                                 target)
-        subnormal = builder.fmul(builder.uitofp(magnitude, target), self.subnormal_unit)
-        value = builder.select(builder.icmp_unsigned("<", magnitude, self.normal_from),
-                               subnormal, normal)
-        value = builder.select(builder.icmp_unsigned(">=", magnitude, self.nan_from),
-                               ir.Constant(target, [float("nan")] * lanes), value)
-        value = builder.select(builder.icmp_unsigned("==", magnitude, self.inf_at),
-                               ir.Constant(target, [float("inf")] * lanes), value)
-        sign = builder.shl(builder.and_(wide, splat_i32(lanes, 0x80)), splat_i32(lanes, 24))
-        return builder.bitcast(builder.or_(builder.bitcast(value, i32), sign), target)
+        # float8 as float16 bits: e5m2's x << 8; e4m3fn's (x + (x & 0x80)) << 7, whose
+        # float16 is 2^-8 of the value (its subnormals too: float16 subnormals, normal in
+        # float32) and reads the NaN code 0x7F as 480, which no e4m3fn value is
+        wide = builder.zext(raw, ir.VectorType(I16, lanes))
+        half = builder.shl(builder.add(wide, builder.and_(wide, self.sign_carry)), self.shift)
+        value = builder.fmul(builder.fpext(builder.bitcast(half, ir.VectorType(ir.HalfType(),
+                                                                                lanes)),
+                                           target), self.scale)
+        magnitude = call(builder, f"llvm.fabs.{self.vec.name}", target, [value])
+        return builder.select(builder.fcmp_ordered("==", magnitude, self.nan_image),
+                              ir.Constant(target, [float("nan")] * lanes), value)
 
     def prefetch_ahead(self, ptr, offset):
         """As :meth:`Vectors.prefetch_ahead`, over the stored elements."""
@@ -302,8 +299,9 @@ def check_row(row, what):
 # --------------------------------------------------------------------------------------
 # Decode's blocks: scores, weighted V rows, whole-tile V sums.
 # --------------------------------------------------------------------------------------
-def scores_block_intrinsic(rows, vector_bytes, prefetch_bytes):
-    """The intrinsic of :func:`.simd.scores_block_4` (``_2``, ``_1``: ``rows`` heads)."""
+def scores_block_intrinsic(rows, vector_bytes, prefetch_bytes, keys_per_pass=BLOCK_KEYS):
+    """The intrinsic of :func:`.simd.scores_block_4` (``_2``, ``_1``: ``rows`` heads), in
+    passes over the rows of ``keys_per_pass`` keys each (:func:`.simd.keys_per_pass`)."""
 
     @intrinsic
     def scores_block(typingctx, qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format):
@@ -327,17 +325,20 @@ def scores_block_intrinsic(rows, vector_bytes, prefetch_bytes):
             sums = [cgutils.alloca_once_value(builder, ir.Constant(vec.type, 0.0))
                     for _ in range(rows * BLOCK_KEYS)]
 
-            def step(offset, mask):
-                for p in k_rows:
-                    stored.prefetch_ahead(p, offset)
+            def step(offset, mask, keys):
+                for b in keys:
+                    stored.prefetch_ahead(k_rows[b], offset)
                 q = [vec.load(p, offset, mask) for p in q_rows]
-                k = [stored.load(p, offset, mask) for p in k_rows]
+                k = {b: stored.load(k_rows[b], offset, mask) for b in keys}
                 for a in range(rows):
-                    for b in range(BLOCK_KEYS):
+                    for b in keys:
                         acc = sums[a * BLOCK_KEYS + b]
                         builder.store(vec.fma(q[a], k[b], builder.load(acc)), acc)
 
-            vec.over_row(last_dim(context, builder, qs_ty, qs_v), step)
+            head_dim = last_dim(context, builder, qs_ty, qs_v)
+            for first in range(0, BLOCK_KEYS, keys_per_pass):
+                keys = range(first, first + keys_per_pass)
+                vec.over_row(head_dim, lambda offset, mask, keys=keys: step(offset, mask, keys))
             # lane a * 4 + b of the concatenated result: head a, key b
             result = sum_lanes(builder, [builder.load(acc) for acc in sums])
             _store_scores(context, builder, vec, result, rows, heads, i_v, n_v, scores_ty,
@@ -389,8 +390,10 @@ def _store_scores(context, builder, vec, result, rows, heads, i_v, n_v, scores_t
                                         [heads[a], key]))
 
 
-def values_block_intrinsic(rows, vector_bytes, prefetch_bytes):
-    """The intrinsic of :func:`.simd.values_block_4` (``_2``, ``_1``: ``rows`` heads)."""
+def values_block_intrinsic(rows, vector_bytes, prefetch_bytes, keys_per_pass=BLOCK_KEYS):
+    """The intrinsic of :func:`.simd.values_block_4` (``_2``, ``_1``: ``rows`` heads), in
+    passes over the rows of ``keys_per_pass`` keys each, a pass adding its keys' products
+    to what the pass before stored (the sums in the same order as in one pass)."""
 
     @intrinsic
     def values_block(typingctx, weights, h, v_blocks, j, pages, slots, i, acc, kv_format):
@@ -411,17 +414,20 @@ def values_block_intrinsic(rows, vector_bytes, prefetch_bytes):
                                                           [head, p])))
                        for p in positions] for head in heads]
 
-            def step(offset, mask):
-                for p in v_rows:
-                    stored.prefetch_ahead(p, offset)
-                v = [stored.load(p, offset, mask) for p in v_rows]
+            def step(offset, mask, keys):
+                for b in keys:
+                    stored.prefetch_ahead(v_rows[b], offset)
+                v = {b: stored.load(v_rows[b], offset, mask) for b in keys}
                 for a in range(rows):
                     total = vec.load(acc_rows[a], offset, mask)
-                    for b in range(BLOCK_KEYS):
+                    for b in keys:
                         total = vec.fma(weight[a][b], v[b], total)
                     vec.store(total, acc_rows[a], offset, mask)
 
-            vec.over_row(last_dim(context, builder, acc_ty, acc_v), step)
+            head_dim = last_dim(context, builder, acc_ty, acc_v)
+            for first in range(0, BLOCK_KEYS, keys_per_pass):
+                keys = range(first, first + keys_per_pass)
+                vec.over_row(head_dim, lambda offset, mask, keys=keys: step(offset, mask, keys))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -429,8 +435,9 @@ def values_block_intrinsic(rows, vector_bytes, prefetch_bytes):
     return values_block
 
 
-def values_tile_intrinsic(rows, vector_bytes):
-    """The intrinsic of :func:`.simd.values_tile_4` (``_2``, ``_1``: ``rows`` heads)."""
+def values_tile_intrinsic(rows, vector_bytes, tile_vectors=TILE_VECTORS):
+    """The intrinsic of :func:`.simd.values_tile_4` (``_2``, ``_1``: ``rows`` heads), for
+    rows of at most ``tile_vectors`` vectors (:func:`.simd.tile_vectors`)."""
 
     @intrinsic
     def values_tile(typingctx, weights, h, v_blocks, j, pages, slots, n, acc, kv_format):
@@ -445,7 +452,7 @@ def values_tile_intrinsic(rows, vector_bytes):
             head_dim = last_dim(context, builder, acc_ty, acc_v)
             # vector c holds elements c * lanes ..; its lanes past head_dim are masked
             masks = []
-            for c in range(TILE_VECTORS):
+            for c in range(tile_vectors):
                 left = builder.sub(head_dim, const(c * vec.lanes))
                 left = builder.select(builder.icmp_signed("<", left, const(0)), const(0),
                                       left)
@@ -454,7 +461,7 @@ def values_tile_intrinsic(rows, vector_bytes):
                         for head in heads]
             sums = [[cgutils.alloca_once_value(
                 builder, vec.load(acc_rows[a], const(c * vec.lanes), masks[c]))
-                for c in range(TILE_VECTORS)] for a in range(rows)]
+                for c in range(tile_vectors)] for a in range(rows)]
             with cgutils.for_range(builder, n_v) as loop:
                 position = loop.index
                 (v_row,) = key_rows(context, builder, v_ty, v_v, j_v, pages_ty, pages_v,
@@ -462,13 +469,13 @@ def values_tile_intrinsic(rows, vector_bytes):
                 weight = [vec.splat(builder.load(row_pointer(context, builder, w_ty, w_v,
                                                              [head, position])))
                           for head in heads]
-                for c in range(TILE_VECTORS):
+                for c in range(tile_vectors):
                     value = stored.load(v_row, const(c * vec.lanes), masks[c])
                     for a in range(rows):
                         total = sums[a][c]
                         builder.store(vec.fma(weight[a], value, builder.load(total)), total)
             for a in range(rows):
-                for c in range(TILE_VECTORS):
+                for c in range(tile_vectors):
                     vec.store(builder.load(sums[a][c]), acc_rows[a], const(c * vec.lanes),
                               masks[c])
             return context.get_dummy_value()
