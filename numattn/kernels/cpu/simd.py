@@ -295,9 +295,9 @@ def keys_per_pass(rows, vector_registers):
     """Keys of a block that one pass over the rows of :func:`scores_block_4` (and
     :func:`values_block_4`, ``_2``, ``_1``) handles: as many of the four as keep the pass's
     ``rows * keys`` sums (or weights), ``rows`` query vectors and ``keys`` K or V vectors
-    in ``vector_registers`` registers, with two to spare.  Four heads by four keys need 24:
-    with AVX2's or SSE's 16 registers they take two passes of two keys, which spilled
-    nothing where the single pass spilled a dozen vectors per step."""
+    in ``vector_registers`` registers, with two to spare (a block that does not fit spills
+    vectors on every step).  Four heads by four keys need 24: with AVX2's or SSE's 16
+    registers they take two passes of two keys."""
     keys = BLOCK_KEYS
     while keys > 1 and rows * keys + rows + keys > vector_registers - 2:
         keys //= 2

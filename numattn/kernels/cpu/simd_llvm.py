@@ -299,6 +299,14 @@ def check_row(row, what):
 # --------------------------------------------------------------------------------------
 # Decode's blocks: scores, weighted V rows, whole-tile V sums.
 # --------------------------------------------------------------------------------------
+def over_row_in_passes(vec, length, keys_per_pass, step):
+    """``step(offset, mask, keys)`` over a row (:meth:`Vectors.over_row`) once per pass:
+    ``keys`` the block's keys of the pass, ``keys_per_pass`` of them."""
+    for first in range(0, BLOCK_KEYS, keys_per_pass):
+        keys = range(first, first + keys_per_pass)
+        vec.over_row(length, lambda offset, mask, keys=keys: step(offset, mask, keys))
+
+
 def scores_block_intrinsic(rows, vector_bytes, prefetch_bytes, keys_per_pass=BLOCK_KEYS):
     """The intrinsic of :func:`.simd.scores_block_4` (``_2``, ``_1``: ``rows`` heads), in
     passes over the rows of ``keys_per_pass`` keys each (:func:`.simd.keys_per_pass`)."""
@@ -335,10 +343,8 @@ def scores_block_intrinsic(rows, vector_bytes, prefetch_bytes, keys_per_pass=BLO
                         acc = sums[a * BLOCK_KEYS + b]
                         builder.store(vec.fma(q[a], k[b], builder.load(acc)), acc)
 
-            head_dim = last_dim(context, builder, qs_ty, qs_v)
-            for first in range(0, BLOCK_KEYS, keys_per_pass):
-                keys = range(first, first + keys_per_pass)
-                vec.over_row(head_dim, lambda offset, mask, keys=keys: step(offset, mask, keys))
+            over_row_in_passes(vec, last_dim(context, builder, qs_ty, qs_v), keys_per_pass,
+                               step)
             # lane a * 4 + b of the concatenated result: head a, key b
             result = sum_lanes(builder, [builder.load(acc) for acc in sums])
             _store_scores(context, builder, vec, result, rows, heads, i_v, n_v, scores_ty,
@@ -424,10 +430,8 @@ def values_block_intrinsic(rows, vector_bytes, prefetch_bytes, keys_per_pass=BLO
                         total = vec.fma(weight[a][b], v[b], total)
                     vec.store(total, acc_rows[a], offset, mask)
 
-            head_dim = last_dim(context, builder, acc_ty, acc_v)
-            for first in range(0, BLOCK_KEYS, keys_per_pass):
-                keys = range(first, first + keys_per_pass)
-                vec.over_row(head_dim, lambda offset, mask, keys=keys: step(offset, mask, keys))
+            over_row_in_passes(vec, last_dim(context, builder, acc_ty, acc_v), keys_per_pass,
+                               step)
             return context.get_dummy_value()
 
         return sig, codegen
