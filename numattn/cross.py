@@ -150,9 +150,10 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
 
         result, lse = run_flash_cuda(with_tile_tables(problem), stream)
     else:
+        from .kernels.cpu.convert import on_cpu
         from .kernels.cpu.flash import run_flash_cpu
 
-        result, lse = run_flash_cpu(problem)
+        result, lse = on_cpu(run_flash_cpu, problem)
     result, lse = finish_result(problem, result, lse)
     return (result, lse) if return_lse else result
 

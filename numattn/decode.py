@@ -15,6 +15,8 @@ on a step's caches and mask once, for every layer of the step.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .core.config import resolve_config
@@ -251,10 +253,11 @@ class DecodePlan:
         """The CPU's :class:`~numattn.kernels.cpu.split_k.DecodeLaunch` of this step, made
         at the first need (with the CPU driver, kept to skip an import at every run)."""
         if self._launch is None:
+            from .kernels.cpu.convert import on_cpu
             from .kernels.cpu.split_k import decode_launch, run_decode_cpu
 
             step = self._step
-            self._run_cpu = run_decode_cpu
+            self._run_cpu = functools.partial(on_cpu, run_decode_cpu)
             self._launch = decode_launch(layout, step.q_offsets, step.dtype, step.config,
                                          self._num_partitions)
         return self._launch
@@ -347,12 +350,13 @@ def _run(problem, num_partitions, launch, stream=0, device_tables=None):
 
         return finish_result(problem, *run_decode_cuda(with_tile_tables(problem),
                                                        num_partitions, stream, device_tables))
+    from .kernels.cpu.convert import on_cpu
     from .kernels.cpu.split_k import decode_launch, run_decode_cpu
 
     if launch is None:
-        launch = decode_launch(problem.layout, problem.q_offsets, problem.q.dtype,
+        launch = decode_launch(problem.layout, problem.q_offsets, problem.dtype,
                                problem.config, num_partitions)
-    return finish_result(problem, *run_decode_cpu(problem, launch))
+    return finish_result(problem, *on_cpu(run_decode_cpu, problem, launch))
 
 
 def _check_num_partitions(num_partitions):

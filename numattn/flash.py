@@ -11,6 +11,8 @@ once, for every layer of the step.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .core.config import resolve_config
@@ -162,9 +164,10 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
 
         result, lse = run_flash_cuda(with_tile_tables(problem), stream)
     else:
+        from .kernels.cpu.convert import on_cpu
         from .kernels.cpu.flash import run_flash_cpu
 
-        result, lse = run_flash_cpu(problem)
+        result, lse = on_cpu(run_flash_cpu, problem)
     result, lse = finish_result(problem, result, lse)
     return (result, lse) if return_lse else result
 
@@ -278,9 +281,10 @@ class FlashPlan:
         """The CPU kernel's work items of this step, dealt at the first need (with the CPU
         driver, kept to skip an import at every run)."""
         if self._items is None:
+            from .kernels.cpu.convert import on_cpu
             from .kernels.cpu.flash import run_flash_cpu, work_items
 
-            self._run_cpu = run_flash_cpu
+            self._run_cpu = functools.partial(on_cpu, run_flash_cpu)
             self._items = work_items(self._step)
         return self._items
 

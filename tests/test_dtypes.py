@@ -240,6 +240,37 @@ def test_outputs_go_where_asked(rng):
     assert np.all(out == 7)
 
 
+@pytest.mark.parametrize("q_name", ["bfloat16", "float16"])
+def test_large_16_bit_queries_convert_on_the_threads(q_name, rng):
+    """Queries and results of :data:`~numattn.kernels.cpu.convert.PARALLEL_ELEMENTS` or more
+    elements are converted by the CPU's threads: the same bits as the float32 call's result
+    rounded by ml_dtypes and NumPy (an ``out`` of q's dtype written in place; one of float32
+    takes the kernel's result as it is)."""
+    from numattn.kernels.cpu.convert import PARALLEL_ELEMENTS
+
+    dtype = dtype_of(q_name)
+    q = randn(rng, (2, 128, 8, 64), np.float32).astype(dtype)
+    assert q.size >= PARALLEL_ELEMENTS
+    k, v = make_step(rng, "dense", [0, 0], [40, 40], 2, 64, ("bfloat16", False))
+    mask = CausalMask()
+    expected = numattn.flash_attention_kv_cache(q.astype(np.float32), k, v, mask).astype(dtype)
+    got = numattn.flash_attention_kv_cache(q, k, v, mask)
+    assert got.dtype == dtype and np.array_equal(got.view(np.uint16), expected.view(np.uint16))
+    out = np.full(q.shape, 7, dtype)
+    assert numattn.flash_attention_kv_cache(q, k, v, mask, out=out) is out
+    assert np.array_equal(out.view(np.uint16), expected.view(np.uint16))
+    wide = np.full(q.shape, 7, np.float32)  # the kernel's own result, not rounded
+    assert numattn.flash_attention_kv_cache(q, k, v, mask, out=wide) is wide
+    assert np.array_equal(wide.astype(dtype).view(np.uint16), expected.view(np.uint16))
+    ragged, kv_offsets = q.reshape(-1, 8, 64), np.array([0, 40, 80])
+    k_rows, v_rows = k.reshape(-1, 2, 64), v.reshape(-1, 2, 64)
+    q_offsets = np.array([0, 100, 256])
+    got = numattn.cross_attention(ragged, q_offsets, 156, k_rows, v_rows, kv_offsets)
+    expected = numattn.cross_attention(
+        ragged.astype(np.float32), q_offsets, 156, k_rows, v_rows, kv_offsets).astype(dtype)
+    assert np.array_equal(got.view(np.uint16), expected.view(np.uint16))
+
+
 @pytest.mark.parametrize("storage", [("bfloat16", False), ("int8", True)], ids=storage_id)
 def test_plans_take_stored_caches(storage, rng):
     """Plans over stored caches: queries of the plan's q_dtype (by default K/V's dtype for

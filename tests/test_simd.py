@@ -199,6 +199,67 @@ def test_widen_row(dtype, storage, rng):
         assert np.isnan(buffer[-3:]).all()
 
 
+@functools.cache
+def spans(vector_bytes):
+    """Jitted calls of :func:`.simd.widen_span` and :func:`.simd.round_span` of one width."""
+    built = _simd.build_intrinsics(vector_bytes)
+    widen, round_ = built["widen_span"], built["round_span"]
+
+    @numba.njit
+    def widen_span(bits, dest, start, count, kv_format):
+        widen(bits, dest, start, count, kv_format)
+
+    @numba.njit
+    def round_span(values, bits, start, count):
+        round_(values, bits, start, count)
+
+    return widen_span, round_span
+
+
+def hard_to_round(rng):
+    """float32 values whose rounding to bfloat16 and float16 is hard: random bit patterns,
+    both formats' halfway points (ties), their overflow and subnormal ranges, NaN with and
+    without payloads, infinities, zeros."""
+    random = rng.integers(0, 2**32, 40000, dtype=np.uint64).astype(np.uint32)
+    bf16_ties = rng.integers(0, 2**16, 4000, dtype=np.uint64).astype(np.uint32) << 16 | 0x8000
+    f16_ties = rng.integers(0, 2**19, 4000, dtype=np.uint64).astype(np.uint32) << 13 | 0x1000
+    specials = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000,
+                         0x7F800001, 0xFFBFFFFF, 1, 0x807FFFFF, 0x477FEFFF, 0x477FF000,
+                         0x477FE000, 0x33000000, 0x33000001, 0x387FC000, 0x38800000,
+                         0x7F7FFFFF, 0x7F7F8000], dtype=np.uint32)
+    return np.concatenate([random, bf16_ties, f16_ties, specials]).view(np.float32)
+
+
+@pytest.mark.parametrize("vector_bytes", [pytest.param(
+    width, marks=() if width == HERE[0] else pytest.mark.slow) for width in WIDTHS])
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_widen_and_round_spans(vector_bytes, name, rng):
+    """16-bit queries widened and results rounded (:mod:`numattn.kernels.cpu.convert`):
+    every bit pattern widened exactly; float32 values rounded as ``ml_dtypes`` (bfloat16,
+    NaN included) and NumPy (float16; a NaN stays a NaN) round them; spans that start and
+    end inside a vector write nothing outside."""
+    widen_span, round_span = spans(vector_bytes)
+    dtype = storage_dtype(name)
+    every = np.arange(2**16, dtype=np.uint16).view(dtype)
+    wide = np.full(every.shape, -7.0, np.float32)
+    widen_span(dtypes.kernel_view(every), wide, 3, every.size - 8, dtypes.storage_format(dtype))
+    assert np.array_equal(wide[3:-5], every[3:-5].astype(np.float32), equal_nan=True)
+    assert np.all(wide[:3] == -7) and np.all(wide[-5:] == -7)
+
+    values = hard_to_round(rng)
+    rounded = np.full(values.shape, 7, dtype)
+    round_span(values, dtypes.kernel_view(rounded), 3, values.size - 8)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = values.astype(dtype)
+    got_bits, expected_bits = rounded.view(np.uint16)[3:-5], expected.view(np.uint16)[3:-5]
+    nan = np.isnan(values[3:-5])
+    assert np.array_equal(got_bits[~nan], expected_bits[~nan])
+    assert np.isnan(rounded[3:-5][nan].astype(np.float32)).all()
+    if name == "bfloat16":  # ml_dtypes' NaN: the quiet NaN of the value's sign
+        assert np.array_equal(got_bits[nan], expected_bits[nan])
+    assert np.all(rounded[:3] == 7) and np.all(rounded[-5:] == 7)
+
+
 def expected_scores(qs, k_blocks, pages, slots, group):
     keys = k_blocks.values[pages, slots]  # [n, Hkv, D]
     heads = np.arange(qs.shape[0])

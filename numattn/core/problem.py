@@ -148,8 +148,10 @@ class AttentionProblem(NamedTuple):
 
     The queries are ragged rows whatever their form was (a padded ``[B, S, H, D]`` call is
     ``B`` sequences of ``S`` rows), K/V any input kind in the paged addressing, the mask
-    compiled, the scale in the queries' dtype.  ``out`` is the caller's (checked) or
-    ``None``; the backend allocates the result (of ``out_shape``) and the LSE.
+    compiled, the scale in the compute dtype.  ``out`` is the caller's (checked) or
+    ``None``; the backend allocates the result (of ``out_shape``) and the LSE.  The queries
+    are of the compute dtype too, but for 16-bit ones on the CPU: those stay as given, and
+    :func:`numattn.kernels.cpu.convert.on_cpu` widens them for the drivers.
     """
 
     queries: QueryRows
@@ -161,7 +163,7 @@ class AttentionProblem(NamedTuple):
     out_shape: tuple  # the result's shape: q's
     return_lse: bool
     device: str  # "cpu" or "cuda"
-    result_dtype: np.dtype  # q's (the kernels compute in q.dtype, the compute dtype)
+    result_dtype: np.dtype  # q's (the kernels compute in the compute dtype)
     final_out: object  # the caller's out of another dtype than the compute dtype, or None
     functions: object  # BoundFunctions, or None: the kernels' specialization
 
@@ -178,6 +180,7 @@ class AttentionProblem(NamedTuple):
     has_sink = property(lambda self: self.softmax.has_sink)
     max_keys = property(lambda self: self.layout.max_keys)
     special = property(lambda self: None if self.functions is None else self.functions.special)
+    dtype = property(lambda self: self.softmax.sinks.dtype)  # the compute dtype
 
     @property
     def group(self):
@@ -351,8 +354,10 @@ def layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device)
                             f"{type(out).__name__}")
         if sinks is not None or step.rules.out_may_share != OUT_AFTER_READS:
             _check_out_overlap(out, q, layout, step.mask, sinks, step.rules.out_may_share)
-    if device == "cpu" or (isinstance(q, np.ndarray) and q.dtype != dtype):
-        q = np.ascontiguousarray(q, dtype=dtype)  # 16-bit queries: a float32 copy
+    if device == "cpu" and q.dtype.name in ("bfloat16", "float16"):
+        q = np.ascontiguousarray(q)  # widened by the CPU's threads (kernels.cpu.convert)
+    elif device == "cpu" or (isinstance(q, np.ndarray) and q.dtype != dtype):
+        q = np.ascontiguousarray(q, dtype=dtype)  # host queries for the device: a copy
     if len(q_shape) == 4:  # padded: B sequences of S rows (device arrays are C-contiguous)
         q = q.reshape(q_shape[0] * q_shape[1], num_heads, head_dim)
     has_sink = sinks is not None
@@ -376,7 +381,8 @@ def finish_result(problem, result, lse):
     caller's ``out``, the LSE float32 (float64 for float64 queries).  Device results stay
     as the kernels wrote them (device queries and ``out`` have the compute dtype)."""
     if problem.final_out is not None:
-        problem.final_out[...] = result
+        if result is not problem.final_out:  # (the CPU's drivers may have written it)
+            problem.final_out[...] = result
         result = problem.final_out
     elif (problem.out is None and isinstance(result, np.ndarray)
           and result.dtype != problem.result_dtype):

@@ -39,6 +39,10 @@ Written as plain loops, both passes got 256-bit vectors from LLVM on AVX-512 mac
 whose tuning prefers those (measured: "Softmax in explicit vector code" in
 docs/performance.rst).
 
+And two convert 16-bit queries and results (:mod:`.convert`): :func:`widen_span` (as the
+flash gather's :func:`widen_row` widens K/V rows) and :func:`round_span` (float32 to
+bfloat16 or float16, to the nearest, ties to even).
+
 Each function is plain NumPy here (its definition, and what runs uncompiled); :func:`register`
 gives it its compiled form (LLVM vectors as wide as the target's registers: 64 bytes with
 AVX-512, 32 with AVX, else 16; :func:`row_max` and :func:`exp_row` in sixteen lanes), and
@@ -65,6 +69,7 @@ __all__ = [
     "prefetch_head",
     "prefetch_row",
     "register",
+    "round_span",
     "row_max",
     "scores_block_1",
     "scores_block_2",
@@ -77,6 +82,7 @@ __all__ = [
     "values_tile_4",
     "values_tile_fits",
     "widen_row",
+    "widen_span",
 ]
 
 #: Keys per block: each block function handles four keys (four K or V rows).
@@ -233,6 +239,25 @@ def widen_row(blocks, page, slot, head, dest, start, kv_format):
     dest[start:start + row.shape[0]] = widened(row, kv_format, dest)
 
 
+def widen_span(bits, dest, start, count, kv_format):
+    """``dest[start:start + count]`` = ``bits[start:start + count]`` widened to ``dest``'s
+    dtype (1-D and contiguous, ``bits`` a kernel view in the format ``kv_format``): 16-bit
+    queries made the compute dtype."""
+    dest[start:start + count] = widened(bits[start:start + count], kv_format, dest)
+
+
+def round_span(values, bits, start, count):
+    """``bits[start:start + count]`` = ``values[start:start + count]`` (float32) rounded
+    to the nearest 16-bit float, ties to even, as the bits of a kernel view (1-D and
+    contiguous): ``uint16`` holds bfloat16 (NaN becomes the quiet NaN of its sign, as
+    ``ml_dtypes`` gives), ``int16`` float16 (as NumPy rounds; a NaN stays a quiet NaN):
+    results of the compute dtype made q's dtype."""
+    from ...core.dtypes import ml_dtype
+
+    dtype = np.float16 if bits.dtype == np.int16 else ml_dtype("bfloat16")
+    bits[start:start + count] = values[start:start + count].astype(dtype).view(bits.dtype)
+
+
 def _scores_block(rows):
     def scores_block(qs, h, k_blocks, j, pages, slots, i, n, scores, kv_format):
         for b in range(BLOCK_KEYS):
@@ -379,6 +404,26 @@ def _forward_widen_row(intrinsic):
     return typer
 
 
+def _forward_widen_span(intrinsic):
+    def typer(bits, dest, start, count, kv_format):
+        def impl(bits, dest, start, count, kv_format):
+            intrinsic(bits, dest, start, count, kv_format)
+
+        return impl
+
+    return typer
+
+
+def _forward_round_span(intrinsic):
+    def typer(values, bits, start, count):
+        def impl(values, bits, start, count):
+            intrinsic(values, bits, start, count)
+
+        return impl
+
+    return typer
+
+
 def _forward_row(intrinsic):
     def typer(row, n):
         def impl(row, n):
@@ -423,6 +468,7 @@ def _forward_exp_row(intrinsic):
 _FORWARDERS = {
     "prefetch_row": _forward_prefetch, "prefetch_head": _forward_prefetch_head,
     "row_max": _forward_row, "exp_row": _forward_exp_row, "widen_row": _forward_widen_row,
+    "widen_span": _forward_widen_span, "round_span": _forward_round_span,
     **{f"scores_block_{rows}": _forward_scores for rows in BLOCK_ROWS},
     **{f"values_block_{rows}": _forward_values for rows in BLOCK_ROWS},
     **{f"values_tile_{rows}": _forward_values_tile for rows in BLOCK_ROWS},
@@ -496,7 +542,9 @@ def build_intrinsics(vector_bytes, prefetch_bytes=None, vector_registers=None):
              "prefetch_head": simd_llvm.prefetch_head_intrinsic(),
              "row_max": simd_llvm.row_max_intrinsic(),
              "exp_row": simd_llvm.exp_row_intrinsic(),
-             "widen_row": simd_llvm.widen_row_intrinsic(vector_bytes)}
+             "widen_row": simd_llvm.widen_row_intrinsic(vector_bytes),
+             "widen_span": simd_llvm.widen_span_intrinsic(vector_bytes),
+             "round_span": simd_llvm.round_span_intrinsic(vector_bytes)}
     for rows in BLOCK_ROWS:
         keys = keys_per_pass(rows, vector_registers)
         built[f"scores_block_{rows}"] = simd_llvm.scores_block_intrinsic(

@@ -82,7 +82,8 @@ class Vectors:
         self.prefetch_bytes = prefetch_bytes
         element = context.get_data_type(dtype)
         self.type = ir.VectorType(element, self.lanes)
-        self.name = f"v{self.lanes}f{8 * self.itemsize}"
+        letter = "f" if np.dtype(str(dtype)).kind == "f" else "i"
+        self.name = f"v{self.lanes}{letter}{8 * self.itemsize}"
 
     def _ptr(self, ptr, offset):
         return self.builder.bitcast(self.builder.gep(ptr, [offset]), self.type.as_pointer())
@@ -154,10 +155,7 @@ class StoredRows:
         self.kind = np.dtype(str(storage)).name
         self.itemsize = np.dtype(self.kind).itemsize
         self.prefetch_bytes = prefetch_bytes
-        element = context.get_data_type(storage)
-        self.type = ir.VectorType(element, vec.lanes)
-        letter = "f" if self.kind.startswith("float") else "i"
-        self.name = f"v{vec.lanes}{letter}{8 * self.itemsize}"
+        self.raw = Vectors(context, builder, storage, lanes=vec.lanes)  # the stored vectors
         if self.kind == "uint8":
             lanes = vec.lanes
             e5m2 = builder.icmp_signed("==", kv_format, const(FORMAT_E5M2))
@@ -172,22 +170,13 @@ class StoredRows:
             self.scale = pick(1.0, 2.0 ** 8, element)  # float16's bias less the format's
             self.nan_image = pick(float("nan"), 480.0, element)  # e4m3fn's NaN, so read
 
-    def _raw(self, ptr, offset, mask):
-        builder = self.builder
-        address = builder.bitcast(builder.gep(ptr, [offset]), self.type.as_pointer())
-        if mask is None:
-            return builder.load(address, align=self.itemsize, typ=self.type)
-        return call(builder, f"llvm.masked.load.{self.name}.p0", self.type,
-                    [address, ir.Constant(I32, self.itemsize), mask,
-                     ir.Constant(self.type, None)])
-
     def load(self, ptr, offset, mask=None):
         """The ``vec.lanes`` elements of ``ptr[offset:]`` (those ``mask`` selects), widened."""
         builder = self.builder
         target = self.vec.type
-        if self.type == target:
+        if self.raw.type == target:
             return self.vec.load(ptr, offset, mask)
-        raw = self._raw(ptr, offset, mask)
+        raw = self.raw.load(ptr, offset, mask)
         lanes = self.vec.lanes
         i32 = ir.VectorType(I32, lanes)
         if self.kind.startswith("float"):
@@ -670,21 +659,106 @@ def widen_row_intrinsic(vector_bytes):
         def codegen(context, builder, signature, args):
             blocks_v, page_v, slot_v, head_v, dest_v, start_v, format_v = args
             blocks_ty, dest_ty = signature.args[0], signature.args[4]
-            vec = Vectors(context, builder, dest_ty.dtype, vector_bytes)
-            stored = StoredRows(context, builder, vec, blocks_ty.dtype, format_v)
             source = row_pointer(context, builder, blocks_ty, blocks_v,
                                  [page_v, slot_v, head_v, const(0)])
             target = row_pointer(context, builder, dest_ty, dest_v, [start_v])
-
-            def step(offset, mask):
-                vec.store(stored.load(source, offset, mask), target, offset, mask)
-
-            vec.over_row(last_dim(context, builder, blocks_ty, blocks_v), step)
+            copy_widened(context, builder, vector_bytes, blocks_ty.dtype, source,
+                         dest_ty.dtype, target, last_dim(context, builder, blocks_ty, blocks_v),
+                         format_v)
             return context.get_dummy_value()
 
         return sig, codegen
 
     return widen_row
+
+
+def copy_widened(context, builder, vector_bytes, storage, source, dtype, target, length,
+                 kv_format):
+    """``target[:length]`` (of ``dtype``) = ``source[:length]`` (stored as ``storage``
+    holds ``kv_format``) widened: whole vectors, then the tail under a mask."""
+    vec = Vectors(context, builder, dtype, vector_bytes)
+    stored = StoredRows(context, builder, vec, storage, kv_format)
+
+    def step(offset, mask):
+        vec.store(stored.load(source, offset, mask), target, offset, mask)
+
+    vec.over_row(length, step)
+
+
+def widen_span_intrinsic(vector_bytes):
+    """The intrinsic of :func:`.simd.widen_span`."""
+
+    @intrinsic
+    def widen_span(typingctx, bits, dest, start, count, kv_format):
+        check_row(bits, "widen_span")
+        check_row(dest, "widen_span")
+        sig = types.none(bits, dest, start, count, kv_format)
+
+        def codegen(context, builder, signature, args):
+            bits_v, dest_v, start_v, count_v, format_v = args
+            bits_ty, dest_ty = signature.args[:2]
+            copy_widened(context, builder, vector_bytes, bits_ty.dtype,
+                         row_pointer(context, builder, bits_ty, bits_v, [start_v]),
+                         dest_ty.dtype, row_pointer(context, builder, dest_ty, dest_v, [start_v]),
+                         count_v, format_v)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return widen_span
+
+
+def round_span_intrinsic(vector_bytes):
+    """The intrinsic of :func:`.simd.round_span`: float16 by ``fptrunc`` (the hardware's
+    conversion, ties to even), bfloat16 in integer arithmetic: ``(u + 0x7FFF + (u >> 16 &
+    1)) >> 16`` of the float's bits ``u`` (ties to even), a NaN made ``0x7FC0`` with its
+    sign."""
+
+    @intrinsic
+    def round_span(typingctx, values, bits, start, count):
+        check_row(values, "round_span")
+        check_row(bits, "round_span")
+        if values.dtype != types.float32 or bits.dtype not in (types.uint16, types.int16):
+            raise errors.TypingError("round_span takes float32 values and uint16 (bfloat16) "
+                                     "or int16 (float16) bits")
+        sig = types.none(values, bits, start, count)
+
+        def codegen(context, builder, signature, args):
+            values_v, bits_v, start_v, count_v = args
+            values_ty, bits_ty = signature.args[:2]
+            vec = Vectors(context, builder, values_ty.dtype, vector_bytes)
+            out = Vectors(context, builder, bits_ty.dtype, lanes=vec.lanes)
+            source = row_pointer(context, builder, values_ty, values_v, [start_v])
+            target = row_pointer(context, builder, bits_ty, bits_v, [start_v])
+            lanes = vec.lanes
+            i32 = ir.VectorType(I32, lanes)
+            float16 = bits_ty.dtype == types.int16
+
+            def splat(value):
+                return splat_i32(lanes, value)
+
+            def step(offset, mask):
+                x = vec.load(source, offset, mask)
+                if float16:
+                    rounded = builder.bitcast(
+                        builder.fptrunc(x, ir.VectorType(ir.HalfType(), lanes)), out.type)
+                else:
+                    u = builder.bitcast(x, i32)
+                    upper = builder.lshr(u, splat(16))
+                    nearest = builder.lshr(builder.add(builder.add(u, splat(0x7FFF)),
+                                                       builder.and_(upper, splat(1))),
+                                           splat(16))
+                    nan = builder.or_(builder.and_(upper, splat(0x8000)), splat(0x7FC0))
+                    is_nan = builder.fcmp_unordered("uno", x, x)
+                    rounded = builder.trunc(builder.select(is_nan, nan, nearest), out.type)
+                out.store(rounded, target, offset, mask)
+
+            vec.over_row(count_v, step)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return round_span
 
 
 def prefetch_head_intrinsic():

@@ -1,0 +1,75 @@
+"""16-bit queries and results on the CPU: queries widened to float32 before a kernel runs,
+results rounded to q's dtype after it, in vector code on the CPU's threads.
+
+The kernels compute in float32 whatever q's dtype (:func:`numattn.core.dtypes.compute_dtype`).
+NumPy's and ``ml_dtypes``' casts convert one element at a time on one thread: for a
+prefill of S=2048, H=32, D=128 they took 9 to 50 ms of a 320 ms call ("16-bit queries and
+results" in docs/performance.rst).  Here each thread converts pieces of
+:data:`PIECE_ELEMENTS` elements with :func:`.simd.widen_span` and :func:`.simd.round_span`
+(the same values: widening is exact, rounding is to the nearest, ties to even).  Arrays of
+fewer than :data:`PARALLEL_ELEMENTS` elements (a decode step's queries) keep NumPy's casts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...core.dtypes import kernel_view, storage_format
+from ...core.jit import cpu_jit, prange
+from .simd import round_span, widen_span
+
+#: Elements of the pieces the threads convert (128 KiB of float32).
+PIECE_ELEMENTS = 1 << 15
+#: Arrays of fewer elements convert with NumPy's casts, on the calling thread.
+PARALLEL_ELEMENTS = 1 << 17
+#: q's dtypes converted here (by name).
+SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+def on_cpu(driver, problem, *args):
+    """``driver(problem, *args)`` (a CPU driver, returning ``(result, lse)``) with 16-bit
+    queries given to it widened to the compute dtype and its result rounded to q's dtype
+    (into the caller's ``out`` when that is of q's dtype)."""
+    q = problem.q
+    if q.dtype.name in SIXTEEN_BIT:
+        problem = problem._replace(queries=problem.queries._replace(q=widened(q, problem.dtype)))
+    result, lse = driver(problem, *args)
+    target = problem.result_dtype
+    if (problem.out is None and target.name in SIXTEEN_BIT and result.dtype == np.float32
+            and result.size >= PARALLEL_ELEMENTS):
+        final = problem.final_out
+        if final is None:
+            final = np.empty(result.shape, target)
+        if isinstance(final, np.ndarray) and final.dtype == target:  # (C-contiguous: checked)
+            _run(_round_kernel, result, kernel_view(final))
+            return final, lse
+    return result, lse
+
+
+def widened(x, dtype):
+    """A C-contiguous 16-bit float array ``x`` as a new array of ``dtype`` (float32)."""
+    if x.size < PARALLEL_ELEMENTS or dtype != np.float32:
+        return x.astype(dtype)
+    wide = np.empty(x.shape, dtype)
+    _run(_widen_kernel, kernel_view(x), wide, storage_format(x.dtype))
+    return wide
+
+
+def _run(kernel, source, dest, *args):
+    cpu_jit(kernel, parallel=True)(source.reshape(-1), dest.reshape(-1), *args)
+
+
+def _widen_kernel(bits, dest, kv_format):
+    """``dest = bits`` widened (1-D), piece by piece on the threads."""
+    n = bits.shape[0]
+    for piece in prange((n + PIECE_ELEMENTS - 1) // PIECE_ELEMENTS):
+        start = piece * PIECE_ELEMENTS
+        widen_span(bits, dest, start, min(PIECE_ELEMENTS, n - start), kv_format)
+
+
+def _round_kernel(values, bits):
+    """``bits = values`` rounded (1-D), piece by piece on the threads."""
+    n = values.shape[0]
+    for piece in prange((n + PIECE_ELEMENTS - 1) // PIECE_ELEMENTS):
+        start = piece * PIECE_ELEMENTS
+        round_span(values, bits, start, min(PIECE_ELEMENTS, n - start))
