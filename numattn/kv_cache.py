@@ -170,8 +170,9 @@ def _stored_rows(rows, dtype, scaled):
             if rows.dtype not in (np.float32, np.float64):
                 rows = rows.astype(np.float32)  # exact: every 16- or 8-bit float is one
             rows = np.clip(rows, -448.0, 448.0)
-        with np.errstate(over="ignore"):  # past the largest finite value: inf, as rounding says
-            return rows.astype(dtype), None
+        from .kernels.cpu.convert import rounded
+
+        return rounded(rows, dtype), None
     wide = rows.astype(np.float32)
     scales = np.abs(wide).max(axis=-1) / np.float32(_QUANT_MAX[dtype.name])
     safe = np.where(scales > 0, scales, np.float32(1))[..., None]

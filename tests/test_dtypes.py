@@ -343,6 +343,29 @@ def test_store_kv_rounds_as_ml_dtypes(cache_name, rows_name, rng):
     assert np.array_equal(got.view(np.uint8), expected.view(np.uint8))
 
 
+@pytest.mark.parametrize("cache_name", ["float16", "bfloat16"])
+def test_store_kv_rounds_large_rows_on_the_threads(cache_name, rng):
+    """float32 rows of :data:`~numattn.kernels.cpu.convert.PARALLEL_ELEMENTS` or more
+    elements are rounded by the CPU's threads: the same bits as ml_dtypes' and NumPy's
+    casts (NaN: a NaN; bfloat16's bit for bit), overflow to inf included."""
+    from numattn.kernels.cpu.convert import PARALLEL_ELEMENTS
+
+    dtype = dtype_of(cache_name)
+    blocks = np.zeros((2, 512, 4, 64), dtype)
+    cache = ContinuousBatchingKVCache(blocks, np.array([0, 0]), np.array([0, 1]))
+    rows = randn(rng, (1024, 4, 64), np.float32) * np.float32(3e4)
+    rows[0, 0, :4] = [np.inf, -np.inf, np.nan, 1e6]
+    assert rows.size >= PARALLEL_ELEMENTS
+    numattn.store_kv(cache, rows, np.array([0, 512, 1024]))
+    with np.errstate(over="ignore"):
+        expected = rows.astype(dtype).reshape(blocks.shape)
+    nan = np.isnan(rows.reshape(blocks.shape))
+    assert np.array_equal(blocks.view(np.uint16)[~nan], expected.view(np.uint16)[~nan])
+    assert np.isnan(blocks[nan].astype(np.float32)).all()
+    if cache_name == "bfloat16":
+        assert np.array_equal(blocks.view(np.uint16)[nan], expected.view(np.uint16)[nan])
+
+
 @pytest.mark.parametrize("name", ["int8", "float8_e4m3fn", "float8_e5m2"])
 def test_store_kv_quantizes_per_token_and_head(name, rng):
     blocks = np.zeros((3, 4, 2, 8), dtype_of(name))

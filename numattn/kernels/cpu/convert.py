@@ -6,8 +6,9 @@ NumPy's and ``ml_dtypes``' casts convert one element at a time on one thread: fo
 prefill of S=2048, H=32, D=128 they took 9 to 50 ms of a 320 ms call ("16-bit queries and
 results" in docs/performance.rst).  Here each thread converts pieces of
 :data:`PIECE_ELEMENTS` elements with :func:`.simd.widen_span` and :func:`.simd.round_span`
-(the same values: widening is exact, rounding is to the nearest, ties to even).  Arrays of
-fewer than :data:`PARALLEL_ELEMENTS` elements (a decode step's queries) keep NumPy's casts.
+(the same values: widening is exact, rounding is to the nearest, ties to even), also the
+float32 rows ``store_kv`` writes into a 16-bit cache (:func:`rounded`).  Arrays of fewer
+than :data:`PARALLEL_ELEMENTS` elements (a decode step's queries) keep NumPy's casts.
 """
 
 from __future__ import annotations
@@ -44,6 +45,17 @@ def on_cpu(driver, problem, *args):
             _run(_round_kernel, result, kernel_view(final))
             return final, lse
     return result, lse
+
+
+def rounded(x, dtype):
+    """A float32 array ``x`` as a new array of the 16-bit ``dtype``, rounded to the nearest,
+    ties to even (``store_kv``'s rows for a 16-bit cache)."""
+    if x.size < PARALLEL_ELEMENTS or x.dtype != np.float32 or dtype.name not in SIXTEEN_BIT:
+        with np.errstate(over="ignore"):  # past the largest finite value: inf, as rounding says
+            return x.astype(dtype)
+    narrow = np.empty(x.shape, dtype)
+    _run(_round_kernel, np.ascontiguousarray(x), kernel_view(narrow))
+    return narrow
 
 
 def widened(x, dtype):
