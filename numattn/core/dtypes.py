@@ -25,6 +25,7 @@ __all__ = [
     "FORMAT_NATIVE",
     "KV_DTYPE_NAMES",
     "Q_DTYPE_NAMES",
+    "SIXTEEN_BIT_NAMES",
     "compute_dtype",
     "is_quantized",
     "kernel_view",
@@ -43,6 +44,8 @@ FORMAT_INT8 = 5  # int8, with scales
 
 #: q and ``out`` dtypes, by name.
 Q_DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16")
+#: The 16-bit ones among them, which compute in float32.
+SIXTEEN_BIT_NAMES = ("float16", "bfloat16")
 #: K/V dtypes, by name.
 KV_DTYPE_NAMES = (*Q_DTYPE_NAMES, "float8_e4m3fn", "float8_e5m2", "int8")
 

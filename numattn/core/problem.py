@@ -25,7 +25,7 @@ import numpy as np
 
 from .config import MHAConfig, resolve_config
 from .device import is_device_array, require_cuda, resolve_device
-from .dtypes import Q_DTYPE_NAMES, compute_dtype, lse_dtype
+from .dtypes import Q_DTYPE_NAMES, SIXTEEN_BIT_NAMES, compute_dtype, lse_dtype
 from .functions import bind_functions, kernel_functions
 from .kv_cache import KVCache, KVLayout, resolve_kv
 from .masks import additive_4d, as_mask, compile_mask, mask_functions
@@ -354,7 +354,7 @@ def layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device)
                             f"{type(out).__name__}")
         if sinks is not None or step.rules.out_may_share != OUT_AFTER_READS:
             _check_out_overlap(out, q, layout, step.mask, sinks, step.rules.out_may_share)
-    if device == "cpu" and q.dtype.name in ("bfloat16", "float16"):
+    if device == "cpu" and q.dtype.name in SIXTEEN_BIT_NAMES:
         q = np.ascontiguousarray(q)  # widened by the CPU's threads (kernels.cpu.convert)
     elif device == "cpu" or (isinstance(q, np.ndarray) and q.dtype != dtype):
         q = np.ascontiguousarray(q, dtype=dtype)  # host queries for the device: a copy

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...core.dtypes import kernel_view, storage_format
+from ...core.dtypes import SIXTEEN_BIT_NAMES, kernel_view, storage_format
 from ...core.jit import cpu_jit, prange
 from .simd import round_span, widen_span
 
@@ -23,8 +23,6 @@ from .simd import round_span, widen_span
 PIECE_ELEMENTS = 1 << 15
 #: Arrays of fewer elements convert with NumPy's casts, on the calling thread.
 PARALLEL_ELEMENTS = 1 << 17
-#: q's dtypes converted here (by name).
-SIXTEEN_BIT = ("bfloat16", "float16")
 
 
 def on_cpu(driver, problem, *args):
@@ -32,11 +30,11 @@ def on_cpu(driver, problem, *args):
     queries given to it widened to the compute dtype and its result rounded to q's dtype
     (into the caller's ``out`` when that is of q's dtype)."""
     q = problem.q
-    if q.dtype.name in SIXTEEN_BIT:
+    if q.dtype.name in SIXTEEN_BIT_NAMES:
         problem = problem._replace(queries=problem.queries._replace(q=widened(q, problem.dtype)))
     result, lse = driver(problem, *args)
     target = problem.result_dtype
-    if (problem.out is None and target.name in SIXTEEN_BIT and result.dtype == np.float32
+    if (problem.out is None and target.name in SIXTEEN_BIT_NAMES and result.dtype == np.float32
             and result.size >= PARALLEL_ELEMENTS):
         final = problem.final_out
         if final is None:
@@ -50,7 +48,7 @@ def on_cpu(driver, problem, *args):
 def rounded(x, dtype):
     """A float32 array ``x`` as a new array of the 16-bit ``dtype``, rounded to the nearest,
     ties to even (``store_kv``'s rows for a 16-bit cache)."""
-    if x.size < PARALLEL_ELEMENTS or x.dtype != np.float32 or dtype.name not in SIXTEEN_BIT:
+    if x.size < PARALLEL_ELEMENTS or x.dtype != np.float32 or dtype.name not in SIXTEEN_BIT_NAMES:
         with np.errstate(over="ignore"):  # past the largest finite value: inf, as rounding says
             return x.astype(dtype)
     narrow = np.empty(x.shape, dtype)
