@@ -30,12 +30,15 @@ from __future__ import annotations
 try:
     import dask
     import dask.array as da
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
 except ImportError as exc:  # pragma: no cover - exercised without dask
     raise ImportError(
         "numattn.dask needs Dask's arrays and distributed scheduler: the dask extra, "
         "pip install .[dask] in numattn's checkout"
     ) from exc
 
+import functools
 import warnings
 
 import numpy as np
@@ -327,7 +330,10 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
     and their tree of merges."""
     decode = kind == "decode"
     operation = _decode_attention if decode else _flash_attention_kv_cache
-    q, k, v = _as_dask("q", q), _as_dask("k", k), _as_dask("v", v)
+    if not (isinstance(q, np.ndarray)
+            and (q.nbytes < SCATTER_BYTES or _default_client() is None)):
+        q = _as_dask("q", q)  # (NumPy queries otherwise go into the tasks in pieces)
+    k, v = _as_dask("k", k), _as_dask("v", v)
     if q.ndim != (3 if decode else 4):
         want = "[B, H, D]" if decode else "[B, S, H, D]"
         raise ValueError(f"q must be {want} ({3 if decode else 4}-d), got shape "
@@ -373,46 +379,70 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
     # K/V chunk is and sends it the queries.  An additive tensor is cut like q and K/V.
     b_chunks, n_chunks = k.chunks[0], k.chunks[1]
     if decode:
-        q = q.rechunk((b_chunks, num_heads, head_dim))
+        s_chunks = (1,)
+    elif isinstance(q, da.Array) and len(q.chunks[1]) > 1:
+        s_chunks = q.chunks[1]
     else:
-        s_chunks = q.chunks[1] if len(q.chunks[1]) > 1 else _query_pieces(
-            q_rows, max(n_chunks, default=0), num_heads, num_kv_heads)
-        q = q.rechunk((b_chunks, s_chunks, num_heads, head_dim))
-    starts = np.cumsum((0, *n_chunks[:-1]), dtype=np.int64)
-    chunk_ids = da.from_array(np.stack([np.arange(len(n_chunks)), starts], axis=1),
-                              chunks=(1, 2))
-    # the global index of each batch chunk's first sequence: the b that functions see
-    batch_starts = da.from_array(np.cumsum((0, *b_chunks[:-1]), dtype=np.int64), chunks=1)
-    if decode:
-        args = [q, "bhd", k, "bnkd", v, "bnkd", chunk_ids, "nz", batch_starts, "b",
-                None, None]
-    else:
-        row_starts = np.cumsum((0, *q.chunks[1][:-1]), dtype=np.int64)
-        args = [q, "bshd", k, "bnkd", v, "bnkd", chunk_ids, "nz", batch_starts, "b",
-                da.from_array(row_starts, chunks=1), "s"]
+        s_chunks = _query_pieces(q_rows, max(n_chunks, default=0), num_heads, num_kv_heads)
+    if isinstance(q, da.Array):
+        q = q.rechunk((b_chunks, num_heads, head_dim) if decode
+                      else (b_chunks, s_chunks, num_heads, head_dim))
     if tensor is not None:
-        args += _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks,
-                               n_chunks, None if decode else q.chunks[1])
-    out_ind = "bnhd" if decode else "bnshd"
+        tensor = _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks,
+                                n_chunks, None if decode else s_chunks)
     client = _default_client()
     if client is not None:
         _place_tasks_with_their_chunks(client)
-    parts = _partial_states(args, out_ind, head_dim, dtype, operation=operation, mask=mask,
-                            num_keys=num_keys, num_rows=q_rows, scale=scale,
-                            sink_weights=sink_weights, score_mod=score_mod, decode=decode)
+    parts = _partial_states(
+        q, k, v, tensor, (b_chunks, n_chunks, s_chunks), num_heads, head_dim, dtype,
+        operation=operation,
+        mask=mask, num_keys=num_keys, num_rows=q_rows, scale=scale, sink_weights=sink_weights,
+        score_mod=score_mod, decode=decode)
     merged = da.reduction(parts, _keep_part, _merge_parts, combine=_merge_parts, axis=1,
                           split_every=2, dtype=dtype, concatenate=True,
-                          meta=np.empty((0,) * (len(out_ind) - 1), dtype=dtype))
+                          meta=np.empty((0,) * (parts.ndim - 1), dtype=dtype))
     out = merged[..., :head_dim]
     return (out, merged[..., head_dim]) if return_lse else out
 
 
-def _partial_states(args, out_ind, head_dim, dtype, **kwargs):
-    """The blockwise layer of partial states, ``[B, key chunks, (S,) H, D + 1]``."""
-    return da.blockwise(
-        _partial_state, out_ind, *args, token=PARTIAL_STATE_NAME,
-        adjust_chunks={"n": 1, "d": head_dim + 1}, align_arrays=False, concatenate=False,
-        dtype=dtype, meta=np.empty((0,) * len(out_ind), dtype=dtype), **kwargs)
+def _partial_states(q, k, v, tensor, chunks, num_heads, head_dim, dtype, **kwargs):
+    """The layer of partial states, ``[B, key chunks, (S,) H, D + 1]``: one task per
+    (batch chunk, key chunk(, query piece)) that reads its blocks of q, K, V (and the
+    additive tensor) and is given where they sit (the key chunk's index and first key, the
+    first sequence and row) as numbers in the task.  q given as a NumPy array goes into
+    the tasks in pieces too.  (Built by hand: Dask's ``blockwise`` would make those numbers
+    and a small q tasks of their own, each run on one worker and sent to the others, which
+    took most of a small decode step's time.)"""
+    b_chunks, n_chunks, s_chunks = chunks
+    decode = kwargs["decode"]
+    name = f"{PARTIAL_STATE_NAME}-" + tokenize(
+        q if isinstance(q, np.ndarray) else q.name, k.name, v.name,
+        None if tensor is None else tensor.name, chunks, num_heads, head_dim, dtype, **kwargs)
+    task = functools.partial(_partial_state, **kwargs)
+    b_starts = np.cumsum((0, *b_chunks[:-1]))
+    n_starts = np.cumsum((0, *n_chunks[:-1]))
+    s_starts = np.cumsum((0, *s_chunks[:-1]))
+    graph = {}
+    for bi, b0 in enumerate(b_starts.tolist()):
+        for ni, n0 in enumerate(n_starts.tolist()):
+            for si, s0 in enumerate(s_starts.tolist()):
+                if isinstance(q, np.ndarray):
+                    rows = slice(b0, b0 + b_chunks[bi])
+                    q_block = q[rows] if decode else q[rows, s0:s0 + s_chunks[si]]
+                else:
+                    q_block = (q.name, bi, 0, 0) if decode else (q.name, bi, si, 0, 0)
+                args = [q_block, (k.name, bi, ni, 0, 0), (v.name, bi, ni, 0, 0), ni, n0, b0,
+                        s0]
+                if tensor is not None:
+                    args.append((tensor.name, *{2: (si, ni), 3: (bi, si, ni),
+                                                4: (bi, 0, si, ni)}[tensor.ndim]))
+                key = (name, bi, ni, 0, 0) if decode else (name, bi, ni, si, 0, 0)
+                graph[key] = (task, *args)
+    inputs = [x for x in (q, k, v, tensor) if isinstance(x, da.Array)]
+    out_chunks = (b_chunks, (1,) * len(n_chunks), *(() if decode else (s_chunks,)),
+                  (num_heads,), (head_dim + 1,))
+    return da.Array(HighLevelGraph.from_collections(name, graph, dependencies=inputs), name,
+                    out_chunks, meta=np.empty((0,) * len(out_chunks), dtype=dtype))
 
 
 def _query_pieces(rows, kv_chunk_keys, num_heads, num_kv_heads):
@@ -424,37 +454,30 @@ def _query_pieces(rows, kv_chunk_keys, num_heads, num_kv_heads):
 
 def _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks, n_chunks,
                    s_chunks):
-    """The additive tensor as blockwise arguments: checked as the operation checks it, its
-    first ``N`` columns cut like K/V along ``B`` and ``N``, its rows like q's (``s_chunks``;
-    ``None``: decode's one row)."""
+    """The additive tensor, checked as the operation checks it, as a Dask array of its first
+    ``N`` columns cut like K/V along ``B`` and ``N`` and its rows like q's (``s_chunks``;
+    ``None``: decode's one row), whole along ``H``."""
     additive_4d(tensor, batch=batch, num_heads=num_heads, max_q_len=q_rows, max_keys=num_keys,
                 dtype=dtype, exact_rows=True)
     tensor = _as_dask("mask", tensor)[..., :num_keys]
-    rows, s = ((q_rows,), "z") if s_chunks is None else (s_chunks, "s")
+    rows = (q_rows,) if s_chunks is None else s_chunks
     if tensor.ndim == 2:
-        return [tensor.rechunk((rows, n_chunks)), f"{s}n"]
+        return tensor.rechunk((rows, n_chunks))
     if tensor.ndim == 3:
-        return [tensor.rechunk((b_chunks, rows, n_chunks)), f"b{s}n"]
-    return [tensor.rechunk((b_chunks, num_heads, rows, n_chunks)), f"bh{s}n"]
+        return tensor.rechunk((b_chunks, rows, n_chunks))
+    return tensor.rechunk((b_chunks, num_heads, rows, n_chunks))
 
 
 # --------------------------------------------------------------------------------------
 # The tasks.  A partial state is out and lse side by side: [..., D + 1], lse last.
 # --------------------------------------------------------------------------------------
-def _partial_state(q, k, v, chunk_id, batch_start, row_start, tensor=None, *, operation, mask,
-                   num_keys, num_rows, scale, sink_weights, score_mod, decode):
+def _partial_state(q, k, v, index, n0, b0, s0, tensor=None, *, operation, mask, num_keys,
+                   num_rows, scale, sink_weights, score_mod, decode):
     """One (batch chunk, key chunk(, query piece)) task: the single-process operation over
     the chunk's keys and the piece's queries at their global positions; returns
-    ``[b, 1, (s,) H, D + 1]``.
-
-    The arrays come as blocks, each in one list per axis it has but the result has not
-    (Hkv of K/V, the additive tensor's rows): those axes are one chunk, so the block is
-    the only element, taken as it is (concatenating would copy the K/V chunk).
-    """
-    q, k, v, chunk_id, batch_start, row_start, tensor = (
-        _only_block(x) for x in (q, k, v, chunk_id, batch_start, row_start, tensor))
-    index, n0, b0 = int(chunk_id[0, 0]), int(chunk_id[0, 1]), int(batch_start[0])
-    s0, rows = (0, 1) if decode else (int(row_start[0]), q.shape[1])
+    ``[b, 1, (s,) H, D + 1]``.  ``index`` and ``n0`` are the key chunk's index and first
+    key, ``b0`` the batch chunk's first sequence, ``s0`` the piece's first row."""
+    rows = 1 if decode else q.shape[1]
     n = k.shape[1]
     sinks = sink_weights if index == 0 else None  # counted once: in the first key chunk
     if n == 0 or q.shape[0] == 0:
@@ -472,12 +495,6 @@ def _partial_state(q, k, v, chunk_id, batch_start, row_start, tensor=None, *, op
                              np.ascontiguousarray(v), mask, scale, sink_weights=sinks,
                              return_lse=True, _positions=(q_offset, n0, b0), **extra)
     return _pack(out, lse)[:, None]
-
-
-def _only_block(x):
-    while isinstance(x, (list, tuple)):
-        (x,) = x
-    return x
 
 
 def _pack(out, lse):

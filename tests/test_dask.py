@@ -124,6 +124,25 @@ def test_large_numpy_queries_go_straight_to_a_worker(client, rng):
     assert_close(client.compute(out, sync=True), want.astype(np.float64), tol=1e-5)
 
 
+@pytest.mark.parametrize("operation", ["decode_attention", "flash_attention_kv_cache"])
+def test_small_numpy_queries_go_into_the_tasks(rng, operation):
+    """NumPy queries under the scatter threshold, and the chunks' positions, are part of
+    the partial-state tasks: the graph holds K/V's layers, the partial states and the merge
+    tree, and no task of the query's own (a decode step would run it on one worker and
+    send it to the others)."""
+    decode = operation == "decode_attention"
+    q = randn(rng, (2, 4, 8) if decode else (2, 6, 4, 8), np.float32)
+    k, v = (randn(rng, (2, 40, 2, 8), np.float32) for _ in range(2))
+    kd, vd = (da.from_array(x, chunks=(1, 15, 2, 8)) for x in (k, v))
+    sinks = randn(rng, 4, np.float32)
+    out = getattr(nd, operation)(q, kd, vd, CausalMask(), sink_weights=sinks)
+    layers = set(out.dask.layers) - {kd.name, vd.name}
+    assert all(name.startswith((nd.PARTIAL_STATE_NAME, "keep_part", "_merge_parts",
+                                "getitem")) for name in layers), layers
+    want = getattr(numattn, operation)(q, k, v, CausalMask(), sink_weights=sinks)
+    assert_close(out.compute(scheduler="threads"), want.astype(np.float64), tol=1e-5)
+
+
 @pytest.mark.parametrize("mask_name", ["causal", "or"])
 def test_threaded_scheduler(rng, mask_name):
     for decode in (False, True):
