@@ -395,9 +395,8 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
         _place_tasks_with_their_chunks(client)
     parts = _partial_states(
         q, k, v, tensor, (b_chunks, n_chunks, s_chunks), num_heads, head_dim, dtype,
-        operation=operation,
-        mask=mask, num_keys=num_keys, num_rows=q_rows, scale=scale, sink_weights=sink_weights,
-        score_mod=score_mod, decode=decode)
+        operation=operation, mask=mask, num_keys=num_keys, num_rows=q_rows, scale=scale,
+        sink_weights=sink_weights, score_mod=score_mod, decode=decode)
     merged = da.reduction(parts, _keep_part, _merge_parts, combine=_merge_parts, axis=1,
                           split_every=2, dtype=dtype, concatenate=True,
                           meta=np.empty((0,) * (parts.ndim - 1), dtype=dtype))
