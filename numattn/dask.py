@@ -410,8 +410,8 @@ def _partial_states(q, k, v, tensor, chunks, num_heads, head_dim, dtype, **kwarg
     additive tensor) and is given where they sit (the key chunk's index and first key, the
     first sequence and row) as numbers in the task.  q given as a NumPy array goes into
     the tasks in pieces too.  (Built by hand: Dask's ``blockwise`` would make those numbers
-    and a small q tasks of their own, each run on one worker and sent to the others, which
-    took most of a small decode step's time.)"""
+    and a small q tasks of their own, each sent from one worker to the others: "Fewer tasks
+    per step" in docs/performance.rst.)"""
     b_chunks, n_chunks, s_chunks = chunks
     decode = kwargs["decode"]
     name = f"{PARTIAL_STATE_NAME}-" + tokenize(

@@ -2,9 +2,9 @@
 results rounded to q's dtype after it, in vector code on the CPU's threads.
 
 The kernels compute in float32 whatever q's dtype (:func:`numattn.core.dtypes.compute_dtype`).
-NumPy's and ``ml_dtypes``' casts convert one element at a time on one thread: for a
-prefill of S=2048, H=32, D=128 they took 9 to 50 ms of a 320 ms call ("16-bit queries and
-results" in docs/performance.rst).  Here each thread converts pieces of
+NumPy's and ``ml_dtypes``' casts convert one element at a time on one thread, a sizeable
+part of a prefill ("16-bit queries and results" in docs/performance.rst).  Here each
+thread converts pieces of
 :data:`PIECE_ELEMENTS` elements with :func:`.simd.widen_span` and :func:`.simd.round_span`
 (the same values: widening is exact, rounding is to the nearest, ties to even), also the
 float32 rows ``store_kv`` writes into a 16-bit cache (:func:`rounded`).  Arrays of fewer
