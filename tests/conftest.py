@@ -116,6 +116,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cuda)
         elif "ptx_compiler" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ptx)
+    # Tests marked ``last`` start processes that load the kernels the other tests compiled
+    # from the shared disk cache: run after them, `numattn check` takes 5 s instead of 110.
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)
 
 
 def _nvvm_available() -> bool:

@@ -128,6 +128,7 @@ print(numba.threading_layer(), len(errors), *errors)
 """
 
 
+@pytest.mark.last
 @pytest.mark.slow
 def test_workqueue_threading_layer_survives_overlapping_calls():
     """Numba's workqueue layer aborts the process on a second concurrent launch; numattn

@@ -72,6 +72,7 @@ def _cli(*args):
                           text=True, cwd=ROOT, timeout=600)
 
 
+@pytest.mark.last
 @pytest.mark.slow  # a process of its own; the doctest of run_demo runs the demo in this one
 def test_cli_demo_runs_and_checks_every_step():
     result = _cli("demo", "--batch", "3", "--new-tokens", "4")
@@ -80,6 +81,7 @@ def test_cli_demo_runs_and_checks_every_step():
     assert "PASS" in result.stdout
 
 
+@pytest.mark.last
 @pytest.mark.slow  # a process of its own; the doctest of run_checks runs the same checks
 def test_cli_check_passes_on_cpu():
     result = _cli("check", "--cpu-only")
@@ -88,6 +90,7 @@ def test_cli_check_passes_on_cpu():
     assert re.search(r"^\d+ passed, 0 failed$", result.stdout, flags=re.M)
 
 
+@pytest.mark.last
 @pytest.mark.slow
 def test_bench_decode_script_runs_a_case_on_one_thread():
     script = ROOT / "benchmarks" / "bench_decode.py"
@@ -147,6 +150,7 @@ def test_check_reports_failures(monkeypatch):
     assert rows and not any(row.passed for row in rows)
 
 
+@pytest.mark.last
 @pytest.mark.slow
 def test_cli_bench_quick_writes_json(tmp_path):
     path = tmp_path / "bench.json"
