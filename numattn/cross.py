@@ -21,7 +21,8 @@ from .core.device import check_stream, is_device_array, require_cuda
 from .core.dtypes import lse_dtype
 from .core.interop import as_arrays
 from .core.masks import NullMask
-from .core.problem import OUT_APART, OperationRules, attention_problem, finish_result
+from .core.problem import OUT_APART, OperationRules, attention_problem
+from .flash import run_flash_problem
 
 __all__ = ["cross_attention"]
 
@@ -144,17 +145,7 @@ def cross_attention(q, q_input_row_offsets, q_max_seq_len, k, v, kv_input_row_of
     stream = check_stream(stream, problem.device)
     if problem.q_offsets.shape[0] == 1:  # no sequence: return at once, out untouched
         return _empty_result(problem)
-    if problem.device == "cuda":
-        from .kernels.cpu.function_tiles import with_tile_tables
-        from .kernels.cuda.flash import run_flash_cuda
-
-        result, lse = run_flash_cuda(with_tile_tables(problem), stream)
-    else:
-        from .kernels.cpu.convert import on_cpu
-        from .kernels.cpu.flash import run_flash_cpu
-
-        result, lse = on_cpu(run_flash_cpu, problem)
-    result, lse = finish_result(problem, result, lse)
+    result, lse = run_flash_problem(problem, stream)
     return (result, lse) if return_lse else result
 
 

@@ -156,7 +156,13 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         return_lse=return_lse, config=config, device=device, positions=_positions,
         score_mod=score_mod,
     )
-    stream = check_stream(stream, problem.device)
+    result, lse = run_flash_problem(problem, check_stream(stream, problem.device))
+    return (result, lse) if return_lse else result
+
+
+def run_flash_problem(problem, stream):
+    """(result, lse) of a checked problem through the flash kernel of its device; flash and
+    cross attention share it."""
     if problem.device == "cuda":
         # kernel modules load at the first call; the function tile tables are made on the CPU
         from .kernels.cpu.function_tiles import with_tile_tables
@@ -168,8 +174,7 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
         from .kernels.cpu.flash import run_flash_cpu
 
         result, lse = on_cpu(run_flash_cpu, problem)
-    result, lse = finish_result(problem, result, lse)
-    return (result, lse) if return_lse else result
+    return finish_result(problem, result, lse)
 
 
 class FlashPlan:
