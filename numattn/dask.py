@@ -48,6 +48,7 @@ try:
 except ImportError:  # pragma: no cover - dask without distributed: no Client, no plugin
     SchedulerPlugin = object
 
+from .core.dtypes import SIXTEEN_BIT_NAMES, compute_dtype, lse_dtype
 from .core.functions import bind_functions
 from .core.masks import (
     AndMask,
@@ -59,7 +60,13 @@ from .core.masks import (
     compile_mask,
     mask_functions,
 )
-from .core.validate import check_float_dtype, check_heads, check_scale, check_sink_weights
+from .core.validate import (
+    check_heads,
+    check_kv_dtype,
+    check_q_dtype,
+    check_scale,
+    check_sink_weights,
+)
 from .decode import decode_attention as _decode_attention
 from .flash import flash_attention_kv_cache as _flash_attention_kv_cache
 from .merge import merge_states
@@ -89,14 +96,19 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, sink_weights=None, sc
 
     Parameters
     ----------
-    q : dask.array.Array or ndarray, shape [B, S, H, D], float32 or float64
+    q : dask.array.Array or ndarray, shape [B, S, H, D]
+        float64, float32, float16 or bfloat16 (the result's dtype).
         The queries.  Rechunked to K/V's chunks along ``B`` and whole along ``H`` and
         ``D``; along ``S`` chunked as given or, given whole, cut into pieces of at most
         half a key chunk's K and V bytes (so that each task runs where its K/V chunk is,
         and the queries travel to it).
     k, v : dask.array.Array, shape [B, N, Hkv, D]
-        Keys and values of ``q``'s dtype with the same chunks, chunked along ``B`` and/or
-        ``N`` only (one chunk along ``Hkv`` and ``D``).  NumPy arrays are taken as one chunk.
+        Keys and values of one dtype (a query dtype, float8_e4m3fn or float8_e5m2; int8
+        needs the scales of a cache object) with the same chunks, chunked along ``B``
+        and/or ``N`` only (one chunk along ``Hkv`` and ``D``).  NumPy arrays are taken as
+        one chunk.  Each task reads its chunk in the stored type; partial states are
+        float32 (float64 for float64 queries) and the merged result is rounded to ``q``'s
+        dtype once.
     mask : Mask, ndarray, dask.array.Array or None
         As :func:`numattn.flash_attention_kv_cache` takes it, evaluated at global
         positions (a :class:`~numattn.FunctionMask` also at global sequence indices
@@ -167,11 +179,12 @@ def decode_attention(q, k, v, mask=NO_MASK, scale=None, *, sink_weights=None,
 
     Parameters
     ----------
-    q : dask.array.Array or ndarray, shape [B, H, D], float32 or float64
-        The queries, rechunked to K/V's chunks along ``B`` (whole along ``H`` and ``D``).
+    q : dask.array.Array or ndarray, shape [B, H, D]
+        float64, float32, float16 or bfloat16 (the result's dtype).  The queries,
+        rechunked to K/V's chunks along ``B`` (whole along ``H`` and ``D``).
     k, v : dask.array.Array, shape [B, N, Hkv, D]
-        Keys and values of ``q``'s dtype with the same chunks, chunked along ``B`` and/or
-        ``N`` only.  NumPy arrays are taken as one chunk.
+        Keys and values of one dtype with the same chunks, as
+        :func:`flash_attention_kv_cache` takes them.
     mask : Mask, ndarray, dask.array.Array, default NullMask()
         As :func:`numattn.decode_attention` takes it, evaluated at global positions (a
         :class:`~numattn.FunctionMask` also at global sequence indices ``b``); an
@@ -313,6 +326,18 @@ def _check_kv_chunks(k, v):
             )
 
 
+def _travels_as_is(dtype):
+    """Whether distributed rebuilds NumPy arrays of ``dtype`` sent between processes: it
+    sends ``dtype.str`` for dtypes that are not of kind ``V``, and ml_dtypes'
+    float8_e5m2 says ``'<f1'``, which NumPy does not read back."""
+    if dtype.kind == "V":
+        return True
+    try:
+        return np.dtype(dtype.str) == dtype
+    except TypeError:
+        return False
+
+
 def _split_tensor(mask):
     """``mask`` with its :class:`MaterializedMask` (if any) replaced by :class:`NullMask`
     (what it is in the program), and that leaf's tensor."""
@@ -341,10 +366,18 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
     for name, x in (("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must be 4-d [B, N, Hkv, D], got shape {list(x.shape)}")
-    dtype = check_float_dtype("q", q)
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != dtype:
-            raise TypeError(f"{name} must have q's dtype {dtype}, got {x.dtype}")
+    q_dtype = check_q_dtype("q", q)
+    kv_dtype = check_kv_dtype("k", k)
+    if v.dtype != kv_dtype:
+        raise TypeError(f"v must have k's dtype {kv_dtype}, got {v.dtype}")
+    if kv_dtype.name == "int8":
+        raise TypeError("int8 k and v need scales, which dense arrays do not carry: shard "
+                        "float8 (scale 1), 16-bit or float32 K/V")
+    dtype = compute_dtype(q_dtype, kv_dtype)  # of the scores (and of scale and sinks)
+    part_dtype = lse_dtype(q_dtype)  # of the partial states: float32 unless q is float64
+    if not _travels_as_is(kv_dtype):  # the tasks read integer views and view them back
+        bits = np.dtype(f"u{kv_dtype.itemsize}")
+        k, v = k.view(bits), v.view(bits)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and "
                          f"{list(v.shape)}")
@@ -388,19 +421,21 @@ def _sharded(kind, q, k, v, mask, scale, sink_weights, score_mod, return_lse):
         q = q.rechunk((b_chunks, num_heads, head_dim) if decode
                       else (b_chunks, s_chunks, num_heads, head_dim))
     if tensor is not None:
-        tensor = _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks,
-                                n_chunks, None if decode else s_chunks)
+        tensor = _tensor_blocks(tensor, dtype, q_dtype, batch, num_heads, q_rows, num_keys,
+                                b_chunks, n_chunks, None if decode else s_chunks)
     client = _default_client()
     if client is not None:
         _place_tasks_with_their_chunks(client)
     parts = _partial_states(
-        q, k, v, tensor, (b_chunks, n_chunks, s_chunks), num_heads, head_dim, dtype,
+        q, k, v, tensor, (b_chunks, n_chunks, s_chunks), num_heads, head_dim, part_dtype,
         operation=operation, mask=mask, num_keys=num_keys, num_rows=q_rows, scale=scale,
-        sink_weights=sink_weights, score_mod=score_mod, decode=decode)
+        sink_weights=sink_weights, score_mod=score_mod, decode=decode, kv_dtype=kv_dtype)
     merged = da.reduction(parts, _keep_part, _merge_parts, combine=_merge_parts, axis=1,
-                          split_every=2, dtype=dtype, concatenate=True,
-                          meta=np.empty((0,) * (parts.ndim - 1), dtype=dtype))
+                          split_every=2, dtype=part_dtype, concatenate=True,
+                          meta=np.empty((0,) * (parts.ndim - 1), dtype=part_dtype))
     out = merged[..., :head_dim]
+    if out.dtype != q_dtype:  # 16-bit queries: the merged result rounded to their dtype
+        out = out.astype(q_dtype)
     return (out, merged[..., head_dim]) if return_lse else out
 
 
@@ -451,13 +486,13 @@ def _query_pieces(rows, kv_chunk_keys, num_heads, num_kv_heads):
     return (piece,) * (rows // piece) + ((rows % piece,) if rows % piece or not rows else ())
 
 
-def _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks, n_chunks,
-                   s_chunks):
+def _tensor_blocks(tensor, dtype, q_dtype, batch, num_heads, q_rows, num_keys, b_chunks,
+                   n_chunks, s_chunks):
     """The additive tensor, checked as the operation checks it, as a Dask array of its first
     ``N`` columns cut like K/V along ``B`` and ``N`` and its rows like q's (``s_chunks``;
     ``None``: decode's one row), whole along ``H``."""
     additive_4d(tensor, batch=batch, num_heads=num_heads, max_q_len=q_rows, max_keys=num_keys,
-                dtype=dtype, exact_rows=True)
+                dtype=dtype, exact_rows=True, q_dtype=q_dtype)
     tensor = _as_dask("mask", tensor)[..., :num_keys]
     rows = (q_rows,) if s_chunks is None else s_chunks
     if tensor.ndim == 2:
@@ -471,11 +506,14 @@ def _tensor_blocks(tensor, dtype, batch, num_heads, q_rows, num_keys, b_chunks, 
 # The tasks.  A partial state is out and lse side by side: [..., D + 1], lse last.
 # --------------------------------------------------------------------------------------
 def _partial_state(q, k, v, index, n0, b0, s0, tensor=None, *, operation, mask, num_keys,
-                   num_rows, scale, sink_weights, score_mod, decode):
+                   num_rows, scale, sink_weights, score_mod, decode, kv_dtype):
     """One (batch chunk, key chunk(, query piece)) task: the single-process operation over
     the chunk's keys and the piece's queries at their global positions; returns
     ``[b, 1, (s,) H, D + 1]``.  ``index`` and ``n0`` are the key chunk's index and first
-    key, ``b0`` the batch chunk's first sequence, ``s0`` the piece's first row."""
+    key, ``b0`` the batch chunk's first sequence, ``s0`` the piece's first row.  K/V are
+    read as ``kv_dtype`` (they may come as integer views of it: :func:`_travels_as_is`)."""
+    q = _widened(q)  # the operation's result and LSE are then the partial state's dtype
+    k, v = k.view(kv_dtype), v.view(kv_dtype)
     rows = 1 if decode else q.shape[1]
     n = k.shape[1]
     sinks = sink_weights if index == 0 else None  # counted once: in the first key chunk
@@ -486,7 +524,7 @@ def _partial_state(q, k, v, index, n0, b0, s0, tensor=None, *, operation, mask, 
             lse[...] = sinks
     else:
         if tensor is not None:
-            mask = mask & MaterializedMask(np.ascontiguousarray(tensor))
+            mask = mask & MaterializedMask(_widened(tensor))
         extra = {} if score_mod is None else {"score_mod": score_mod}
         # the kernels' query position n - rows + r, made global: N - S + s0 + r
         q_offset = (num_keys - num_rows + s0) - (n - rows)
@@ -494,6 +532,12 @@ def _partial_state(q, k, v, index, n0, b0, s0, tensor=None, *, operation, mask, 
                              np.ascontiguousarray(v), mask, scale, sink_weights=sinks,
                              return_lse=True, _positions=(q_offset, n0, b0), **extra)
     return _pack(out, lse)[:, None]
+
+
+def _widened(x):
+    """``x`` contiguous, 16-bit values widened to float32."""
+    return np.ascontiguousarray(x, dtype=np.float32 if x.dtype.name in SIXTEEN_BIT_NAMES
+                                else x.dtype)
 
 
 def _pack(out, lse):

@@ -16,7 +16,10 @@ da = pytest.importorskip("dask.array", reason="numattn.dask needs dask: pip inst
 distributed = pytest.importorskip("distributed",
                                   reason="numattn.dask's tests need distributed")
 
+import ml_dtypes  # noqa: E402
+
 import numattn  # noqa: E402
+import numattn.core.dtypes  # noqa: E402
 import numattn.dask as nd  # noqa: E402
 from numattn import (  # noqa: E402
     CausalMask,
@@ -191,6 +194,47 @@ def test_additive_masks(client, rng, form):
                                           v.astype(np.float64), row.astype(np.float64),
                                           return_lse=True)
     _check(got, single, expected, np.float32)
+
+
+#: (q, K/V) dtype pairs of the storage dtypes (as numattn.core.dtypes names them), and the
+#: tolerance of each output dtype (relative to 1 + |expected|) against the reference.
+STORAGE_PAIRS = [("bfloat16", "bfloat16"), ("float16", "float16"),
+                 ("float32", "float8_e4m3fn"), ("bfloat16", "float8_e5m2"),
+                 pytest.param("float64", "bfloat16", marks=pytest.mark.slow)]
+OUT_TOL = {"float64": 2e-4, "float32": 2e-4, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+@pytest.mark.parametrize("q_name, kv_name", STORAGE_PAIRS)
+def test_storage_dtypes_on_worker_processes(client, rng, q_name, kv_name):
+    """16-bit queries and 16- or 8-bit K/V, read in their stored type by the tasks: partial
+    states in float32, the merged result rounded to q's dtype once, as one process rounds
+    it (at most one unit in the last place apart), the LSE float32; with a window mask, an
+    additive tensor of q's dtype and sinks."""
+    q_dtype, kv_dtype = (np.dtype(getattr(ml_dtypes, n, n)) for n in (q_name, kv_name))
+    q = randn(rng, (B, S, H, D), q_dtype)
+    k, v = randn(rng, (B, N, HKV, D), kv_dtype), randn(rng, (B, N, HKV, D), kv_dtype)
+    kd, vd = da.from_array(k, chunks=CHUNKS), da.from_array(v, chunks=CHUNKS)
+    tensor = randn(rng, (S, N), q_dtype)
+    sinks = randn(rng, H, q_dtype)
+    wide = [x.astype(np.float64) for x in (q, k, v, tensor, sinks)]
+    for decode in (False, True):
+        name = "decode_attention" if decode else "flash_attention_kv_cache"
+        qs, rows, wq, wrows = ((q[:, 0], tensor[:1], wide[0][:, 0], wide[3][:1]) if decode
+                               else (q, tensor, wide[0], wide[3]))
+        mask = SlidingWindowCausalMask(4) & MaterializedMask(rows)
+        single = getattr(numattn, name)(qs, k, v, mask, sink_weights=sinks, return_lse=True)
+        got = _compute(getattr(nd, name)(qs, kd, vd, mask, sink_weights=sinks,
+                                         return_lse=True), client)
+        expected = getattr(reference, name)(
+            wq, wide[1], wide[2], SlidingWindowCausalMask(4) & MaterializedMask(wrows),
+            sink_weights=wide[4], return_lse=True)
+        assert got[0].dtype == single[0].dtype == q_dtype
+        assert got[1].dtype == single[1].dtype == numattn.core.dtypes.lse_dtype(q_dtype)
+        ulp = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}.get(q_name, 1e-5)
+        assert_close(got[0], single[0].astype(np.float64), tol=ulp, what="out vs one process")
+        assert_close(got[1], single[1].astype(np.float64), tol=1e-5, what="lse vs one process")
+        assert_close(got[0], expected[0], tol=OUT_TOL[q_name], what="out vs reference")
+        assert_close(got[1], expected[1], tol=OUT_TOL["float32"], what="lse vs reference")
 
 
 def test_gqa_groups_and_queries_chunked_along_s_and_h(rng):
@@ -388,6 +432,7 @@ def _unreadable(shape, chunks, dtype=np.float32):
     ("chunked along D", "not along D"),
     ("k and v chunked apart", "same chunks"),
     ("dtype", "dtype"),
+    ("int8", "int8 k and v need scales"),
     ("B", "B = "),
     ("D", "head dimension"),
     ("heads", "query heads"),
@@ -408,6 +453,8 @@ def test_bad_input_refused_before_any_task(rng, bad, match):
     mask, sinks, score_mod = CausalMask(), None, None
     if bad == "dtype":
         v = _unreadable((B, N, HKV, D), kv_chunks, np.float64)
+    elif bad == "int8":
+        k = v = _unreadable((B, N, HKV, D), kv_chunks, np.int8)
     elif bad == "B":
         q = q[:2]
     elif bad == "D":
