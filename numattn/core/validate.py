@@ -60,14 +60,6 @@ def check_array(name, x, *, ndim=None, dtype=None):
     return x
 
 
-def check_float_dtype(name, x):
-    """float32 or float64 (the dtypes numattn computes in)."""
-    dt = x.dtype if type(x) is np.ndarray else dtype_of(x)
-    if dt not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32 or float64, got {dt}")
-    return dt
-
-
 def check_q_dtype(name, x):
     """A dtype queries and outputs may have: float64, float32, float16 or bfloat16."""
     dt = x.dtype if type(x) is np.ndarray else dtype_of(x)
