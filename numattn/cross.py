@@ -22,7 +22,7 @@ from .core.dtypes import lse_dtype
 from .core.interop import as_arrays
 from .core.masks import NullMask
 from .core.problem import OUT_APART, OperationRules, attention_problem
-from .flash import run_flash_problem
+from .kernels.flash import run_flash_problem
 
 __all__ = ["cross_attention"]
 

@@ -3,8 +3,8 @@
 Checks the arguments and normalises every input form (padded BSHD or ragged queries; dense,
 ragged, continuous-batching or paged K/V) to one ragged problem over the paged addressing
 of :func:`numattn.core.kv_cache.resolve_kv` (:func:`numattn.core.problem.attention_problem`),
-and runs the CPU kernel (:func:`numattn.kernels.cpu.flash.run_flash_cpu`) or the CUDA one
-(:func:`numattn.kernels.cuda.flash.run_flash_cuda`, shared with cross attention).
+and runs it through :func:`numattn.kernels.flash.run_flash_problem` (the CPU or the CUDA
+kernel, shared with cross attention).
 :class:`FlashPlan` does the work that depends only on a step's row offsets, caches and mask
 once, for every layer of the step.
 """
@@ -40,6 +40,7 @@ from .core.validate import (
     row_counts,
     shape_of,
 )
+from .kernels.flash import run_flash_problem
 
 __all__ = ["FlashPlan", "flash_attention_kv_cache"]
 
@@ -158,23 +159,6 @@ def flash_attention_kv_cache(q, k, v, mask, scale=None, *, q_input_row_offsets=N
     )
     result, lse = run_flash_problem(problem, check_stream(stream, problem.device))
     return (result, lse) if return_lse else result
-
-
-def run_flash_problem(problem, stream):
-    """(result, lse) of a checked problem through the flash kernel of its device; flash and
-    cross attention share it."""
-    if problem.device == "cuda":
-        # kernel modules load at the first call; the function tile tables are made on the CPU
-        from .kernels.cpu.function_tiles import with_tile_tables
-        from .kernels.cuda.flash import run_flash_cuda
-
-        result, lse = run_flash_cuda(with_tile_tables(problem), stream)
-    else:
-        from .kernels.cpu.convert import on_cpu
-        from .kernels.cpu.flash import run_flash_cpu
-
-        result, lse = on_cpu(run_flash_cpu, problem)
-    return finish_result(problem, result, lse)
 
 
 class FlashPlan:

@@ -1,0 +1,21 @@
+"""The flash kernel of a checked problem's device: flash and cross attention share it."""
+
+from __future__ import annotations
+
+from ..core.problem import finish_result
+
+
+def run_flash_problem(problem, stream):
+    """(result, lse) of a checked problem through the flash kernel of its device."""
+    if problem.device == "cuda":
+        # kernel modules load at the first call; the function tile tables are made on the CPU
+        from .cpu.function_tiles import with_tile_tables
+        from .cuda.flash import run_flash_cuda
+
+        result, lse = run_flash_cuda(with_tile_tables(problem), stream)
+    else:
+        from .cpu.convert import on_cpu
+        from .cpu.flash import run_flash_cpu
+
+        result, lse = on_cpu(run_flash_cpu, problem)
+    return finish_result(problem, result, lse)
