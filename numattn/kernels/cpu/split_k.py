@@ -343,6 +343,7 @@ def _decode_partitions_cpu(queries, kv, mask, functions, scale, tiling, schedule
         h_buf = np.empty(num_rows * tile_keys, dtype=np.bool_)
         seen_buf = np.empty(max_q_len * tile_keys, dtype=np.bool_)
         alpha = np.empty(num_rows, dtype=q.dtype)
+        key_scales = np.empty(num_kv_heads * tile_keys if has_scales else 0, dtype=q.dtype)
         pages = np.empty(tile_keys + PREFETCH_KEYS, dtype=np.int64)
         slots = np.empty(tile_keys + PREFETCH_KEYS, dtype=np.int64)
         keys = np.empty(tile_keys, dtype=np.int64)
@@ -384,7 +385,7 @@ def _decode_partitions_cpu(queries, kv, mask, functions, scale, tiling, schedule
                 _tile_scores(qs, k_blocks, v_blocks, pages, slots, n, kv_rows, prefetch_lines,
                              kv_format, scores)
                 if has_scales:  # q . (k s) = (q . k) s
-                    _scale_keys(scores, k_scales, pages, slots, n, kv_rows)
+                    _scale_keys(scores, k_scales, pages, slots, n, kv_rows, key_scales)
                 for r in range(num_rows):
                     for i in range(n):
                         scores[r, i] = read_score(scores[r, i])
@@ -419,7 +420,7 @@ def _decode_partitions_cpu(queries, kv, mask, functions, scale, tiling, schedule
                             scores[r, i] = -math.inf if hidden[r, i] else scores[r, i] + bias
                 softmax_tile(scores, m, l, alpha)
                 if has_scales:  # p (v s) = (p s) v, for the keys taken
-                    _scale_keys(scores, v_scales, pages, slots, n, kv_rows)
+                    _scale_keys(scores, v_scales, pages, slots, n, kv_rows, key_scales)
                 # acc's share of accumulate(acc, alpha, P V): rescaled here, the weighted V
                 # rows added by the explicit vector code of _tile_values
                 for r in range(num_rows):
@@ -510,19 +511,28 @@ def _tile_rows(lookup_table, page_size, row_base, b, k0, n, next_n, interleave, 
 
 
 @body
-def _scale_keys(scores, scales, pages, slots, n, group):
+def _scale_keys(scores, scales, pages, slots, n, group, key_scales):
     """``scores[r, i] *= scales[pages[i], slots[i], r // group]``: a quantized cache's
     scale of each key's row (``group`` state rows per KV head).  -inf stays -inf, and a
-    weight of 0 stays 0 whatever the scale of a slot that is not read (NaN included)."""
+    weight of 0 stays 0 whatever the scale of a slot that is not read (NaN included).
+
+    The scales are gathered first into ``key_scales`` (scratch of at least ``n`` elements
+    per KV head), so that each row of scores is scaled in one vectorised pass: scaling key
+    by key, row by row, took a quarter of an int8 decode step ("8-bit scales" in
+    docs/performance.rst)."""
     num_kv_heads = scores.shape[0] // group
     for i in range(n):
         row_scales = scales[pages[i], slots[i]]
         for j in range(num_kv_heads):
-            s = row_scales[j]
-            for r in range(j * group, (j + 1) * group):
-                x = scores[r, i]
-                if x != 0 and x != -math.inf:
-                    scores[r, i] = x * s
+            key_scales[j * n + i] = row_scales[j]
+    for r in range(scores.shape[0]):
+        j = r // group
+        row = scores[r]  # (rows taken as views: the loop then vectorises, 10x faster)
+        row_scales = key_scales[j * n:(j + 1) * n]
+        for i in range(n):
+            x = row[i]
+            keep = (x == 0) | (x == -math.inf)  # (| not or: a select, not a branch)
+            row[i] = x if keep else x * row_scales[i]
 
 
 @body
