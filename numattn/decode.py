@@ -15,8 +15,6 @@ on a step's caches and mask once, for every layer of the step.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from .core.config import resolve_config
@@ -244,20 +242,18 @@ class DecodePlan:
         self._kv = PlannedKV(k, v, step.layout)
         self._step = step._replace(layout=self._kv.layout)
         self._batch = batch
-        self._launch = self._run_cpu = None
+        self._launch = None
         self._device_tables = None  # the step's tables on the GPU, at the first CUDA run
         if device != "cuda" and isinstance(step.layout.k_blocks, np.ndarray):
             self._cpu_launch(step.layout)
 
     def _cpu_launch(self, layout):
         """The CPU's :class:`~numattn.kernels.cpu.split_k.DecodeLaunch` of this step, made
-        at the first need (with the CPU driver, kept to skip an import at every run)."""
+        at the first need."""
         if self._launch is None:
-            from .kernels.cpu.convert import on_cpu
-            from .kernels.cpu.split_k import decode_launch, run_decode_cpu
+            from .kernels.cpu.split_k import decode_launch
 
             step = self._step
-            self._run_cpu = functools.partial(on_cpu, run_decode_cpu)
             self._launch = decode_launch(layout, step.q_offsets, step.dtype, step.config,
                                          self._num_partitions)
         return self._launch
@@ -335,8 +331,8 @@ class DecodePlan:
             result, lse = _run(problem, self._num_partitions, None, stream,
                                self._cuda_tables(layout))
         else:
-            launch = self._launch or self._cpu_launch(layout)
-            result, lse = finish_result(problem, *self._run_cpu(problem, launch))
+            result, lse = _run(problem, self._num_partitions,
+                               self._launch or self._cpu_launch(layout))
         return (result, lse) if return_lse else result
 
 

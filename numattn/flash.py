@@ -11,8 +11,6 @@ once, for every layer of the step.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from .core.config import resolve_config
@@ -26,7 +24,6 @@ from .core.problem import (
     attention_problem,
     attention_step,
     check_device_contiguous,
-    finish_result,
     layer_problem,
     on_host,
     plan_q_dtype,
@@ -261,19 +258,16 @@ class FlashPlan:
         )
         self._kv = PlannedKV(k, v, step.layout)
         self._step = step._replace(layout=self._kv.layout)
-        self._items = self._run_cpu = None
+        self._items = None
         self._device_tables = {}  # the step's tables on the GPU, by tile rows, at need
         if device != "cuda" and isinstance(step.layout.k_blocks, np.ndarray):
             self._cpu_items()
 
     def _cpu_items(self):
-        """The CPU kernel's work items of this step, dealt at the first need (with the CPU
-        driver, kept to skip an import at every run)."""
+        """The CPU kernel's work items of this step, dealt at the first need."""
         if self._items is None:
-            from .kernels.cpu.convert import on_cpu
-            from .kernels.cpu.flash import run_flash_cpu, work_items
+            from .kernels.cpu.flash import work_items
 
-            self._run_cpu = functools.partial(on_cpu, run_flash_cpu)
             self._items = work_items(self._step)
         return self._items
 
@@ -327,14 +321,6 @@ class FlashPlan:
                             ("out", out), ("mask", step.mask.additive)):
                 check_device_contiguous(name, x)
         problem = layer_problem(step, q, layout, scale, sink_weights, out, return_lse, device)
-        if device == "cuda":
-            from .kernels.cpu.function_tiles import with_tile_tables
-            from .kernels.cuda.flash import run_flash_cuda
-
-            result, lse = run_flash_cuda(with_tile_tables(problem), stream,
-                                         self._device_tables)
-        else:
-            items = self._cpu_items()
-            result, lse = self._run_cpu(problem, items)
-        result, lse = finish_result(problem, result, lse)
+        items = self._cpu_items() if device != "cuda" else None
+        result, lse = run_flash_problem(problem, stream, self._device_tables, items)
         return (result, lse) if return_lse else result
