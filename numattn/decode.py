@@ -15,6 +15,8 @@ on a step's caches and mask once, for every layer of the step.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .core.config import resolve_config
@@ -346,13 +348,22 @@ def _run(problem, num_partitions, launch, stream=0, device_tables=None):
 
         return finish_result(problem, *run_decode_cuda(with_tile_tables(problem),
                                                        num_partitions, stream, device_tables))
-    from .kernels.cpu.convert import on_cpu
-    from .kernels.cpu.split_k import decode_launch, run_decode_cpu
-
     if launch is None:
+        from .kernels.cpu.split_k import decode_launch
+
         launch = decode_launch(problem.layout, problem.q_offsets, problem.dtype,
                                problem.config, num_partitions)
-    return finish_result(problem, *on_cpu(run_decode_cpu, problem, launch))
+    return finish_result(problem, *_cpu_driver()(problem, launch))
+
+
+@functools.cache
+def _cpu_driver():
+    """The CPU decode driver with its 16-bit conversions, imported at the first call only
+    (an import statement at every call costs about 1 us)."""
+    from .kernels.cpu.convert import on_cpu
+    from .kernels.cpu.split_k import run_decode_cpu
+
+    return functools.partial(on_cpu, run_decode_cpu)
 
 
 def _check_num_partitions(num_partitions):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from ..core.problem import finish_result
 
 
@@ -16,8 +18,15 @@ def run_flash_problem(problem, stream, step_tables=None, items=None):
 
         result, lse = run_flash_cuda(with_tile_tables(problem), stream, step_tables)
     else:
-        from .cpu.convert import on_cpu
-        from .cpu.flash import run_flash_cpu
-
-        result, lse = on_cpu(run_flash_cpu, problem, items)
+        result, lse = _cpu_driver()(problem, items)
     return finish_result(problem, result, lse)
+
+
+@functools.cache
+def _cpu_driver():
+    """The CPU flash driver with its 16-bit conversions, imported at the first call only (an
+    import statement at every call costs about 1 us)."""
+    from .cpu.convert import on_cpu
+    from .cpu.flash import run_flash_cpu
+
+    return functools.partial(on_cpu, run_flash_cpu)
