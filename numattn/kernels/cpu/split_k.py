@@ -517,9 +517,8 @@ def _scale_keys(scores, scales, pages, slots, n, group, key_scales):
     weight of 0 stays 0 whatever the scale of a slot that is not read (NaN included).
 
     The scales are gathered first into ``key_scales`` (scratch of at least ``n`` elements
-    per KV head), so that each row of scores is scaled in one vectorised pass: scaling key
-    by key, row by row, took a quarter of an int8 decode step ("8-bit scales" in
-    docs/performance.rst)."""
+    per KV head), so that each row of scores is scaled in one vectorised pass ("8-bit
+    scales" in docs/performance.rst)."""
     num_kv_heads = scores.shape[0] // group
     for i in range(n):
         row_scales = scales[pages[i], slots[i]]
@@ -527,7 +526,7 @@ def _scale_keys(scores, scales, pages, slots, n, group, key_scales):
             key_scales[j * n + i] = row_scales[j]
     for r in range(scores.shape[0]):
         j = r // group
-        row = scores[r]  # (rows taken as views: the loop then vectorises, 10x faster)
+        row = scores[r]  # (row views: the loop below vectorises)
         row_scales = key_scales[j * n:(j + 1) * n]
         for i in range(n):
             x = row[i]
