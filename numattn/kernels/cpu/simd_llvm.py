@@ -141,34 +141,26 @@ class StoredRows:
     ``storage`` is the dtype of the kernel view of the blocks
     (:func:`numattn.core.dtypes.kernel_view`): float32/float64 are read as they are (or
     rounded to float32), uint16 holds bfloat16 bits (moved to a float32's upper half),
-    int16 float16 bits (``fpext``), uint8 float8 bits of the format ``kv_format`` says
-    (made float16 bits, widened as float16 is: e5m2 is a float16's upper byte; e4m3fn's
-    exponent is one bit narrower, so its bits go one place lower, the sign one place up,
-    and the float16, whose bias is 8 more, is scaled by 2^8, with a compare for its NaN,
-    which float16 reads as 480), int8 integers (``sitofp``).  The rules are those of
-    :func:`numattn.kernels.shared.storage.stored_value`.
+    int16 float16 bits (``fpext``), uint8 float8 bits of the format ``float8_format``
+    names, ``"e5m2"`` or ``"e4m3fn"`` (made float16 bits, widened as float16 is: e5m2 is a
+    float16's upper byte; e4m3fn's exponent is one bit narrower, so its bits go one place
+    lower, the sign one place up, and the float16, whose bias is 8 more, is scaled by 2^8,
+    with a compare for its NaN, which float16 reads as 480), int8 integers (``sitofp``).
+    The rules are those of :func:`numattn.kernels.shared.storage.stored_value`; use
+    :func:`for_each_format` to emit code per float8 format.
     """
 
-    def __init__(self, context, builder, vec, storage, kv_format, prefetch_bytes=0):
+    def __init__(self, context, builder, vec, storage, float8_format=None,
+                 prefetch_bytes=0):
         self.builder = builder
         self.vec = vec
         self.kind = np.dtype(str(storage)).name
         self.itemsize = np.dtype(self.kind).itemsize
         self.prefetch_bytes = prefetch_bytes
+        self.float8_format = float8_format
         self.raw = Vectors(context, builder, storage, lanes=vec.lanes)  # the stored vectors
-        if self.kind == "uint8":
-            lanes = vec.lanes
-            e5m2 = builder.icmp_signed("==", kv_format, const(FORMAT_E5M2))
-            element = vec.type.element
-
-            def pick(if_e5m2, if_e4m3, element=I16):
-                return broadcast(builder, builder.select(
-                    e5m2, ir.Constant(element, if_e5m2), ir.Constant(element, if_e4m3)), lanes)
-
-            self.sign_carry = pick(0, 0x80)  # e4m3fn: the sign, added to itself, moves up
-            self.shift = pick(8, 7)  # the bits to their float16 places
-            self.scale = pick(1.0, 2.0 ** 8, element)  # float16's bias less the format's
-            self.nan_image = pick(float("nan"), 480.0, element)  # e4m3fn's NaN, so read
+        if self.kind == "uint8" and float8_format not in ("e5m2", "e4m3fn"):
+            raise ValueError(f"uint8 rows need a float8 format, got {float8_format!r}")
 
     def load(self, ptr, offset, mask=None):
         """The ``vec.lanes`` elements of ``ptr[offset:]`` (those ``mask`` selects), widened."""
@@ -178,27 +170,31 @@ class StoredRows:
             return self.vec.load(ptr, offset, mask)
         raw = self.raw.load(ptr, offset, mask)
         lanes = self.vec.lanes
-        i32 = ir.VectorType(I32, lanes)
+        i16 = ir.VectorType(I16, lanes)
+        halves = ir.VectorType(ir.HalfType(), lanes)
         if self.kind.startswith("float"):
             return builder.fptrunc(raw, target)
         if self.kind == "int8":
             return builder.sitofp(raw, target)
         if self.kind == "int16":  # float16
-            return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), lanes)),
-                                 target)
+            return builder.fpext(builder.bitcast(raw, halves), target)
         if self.kind == "uint16":  # bfloat16
-            wide = builder.zext(raw, i32)
-            return builder.bitcast(builder.shl(wide, splat_i32(lanes, 16)), target)
-        # float8 as float16 bits: e5m2's x << 8; e4m3fn's (x + (x & 0x80)) << 7, whose
-        # float16 is 2^-8 of the value (its subnormals too: float16 subnormals, normal in
-        # float32) and reads the NaN code 0x7F as 480, which no e4m3fn value is
-        wide = builder.zext(raw, ir.VectorType(I16, lanes))
-        half = builder.shl(builder.add(wide, builder.and_(wide, self.sign_carry)), self.shift)
-        value = builder.fmul(builder.fpext(builder.bitcast(half, ir.VectorType(ir.HalfType(),
-                                                                                lanes)),
-                                           target), self.scale)
+            wide = builder.zext(raw, ir.VectorType(I32, lanes))
+            return builder.bitcast(builder.shl(wide, splat_int(I32, lanes, 16)), target)
+        wide = builder.zext(raw, i16)
+        if self.float8_format == "e5m2":  # a float16's upper byte
+            half = builder.shl(wide, splat_int(I16, lanes, 8))
+            return builder.fpext(builder.bitcast(half, halves), target)
+        # e4m3fn as float16 bits (x + (x & 0x80)) << 7, whose float16 is 2^-8 of the value
+        # (its subnormals too: float16 subnormals, normal in float32) and reads the NaN
+        # code 0x7F as 480, which no e4m3fn value is
+        half = builder.shl(builder.add(wide, builder.and_(wide, splat_int(I16, lanes, 0x80))),
+                           splat_int(I16, lanes, 7))
+        value = builder.fmul(builder.fpext(builder.bitcast(half, halves), target),
+                             ir.Constant(target, [2.0 ** 8] * lanes))
         magnitude = call(builder, f"llvm.fabs.{self.vec.name}", target, [value])
-        return builder.select(builder.fcmp_ordered("==", magnitude, self.nan_image),
+        return builder.select(builder.fcmp_ordered("==", magnitude,
+                                                   ir.Constant(target, [480.0] * lanes)),
                               ir.Constant(target, [float("nan")] * lanes), value)
 
     def prefetch_ahead(self, ptr, offset):
@@ -210,9 +206,25 @@ class StoredRows:
                                                          ir.IntType(8).as_pointer()))
 
 
-def splat_i32(lanes, value):
-    """An ``i32`` vector constant of ``lanes`` copies of ``value``."""
-    return ir.Constant(ir.VectorType(I32, lanes), [value] * lanes)
+def for_each_format(builder, storage, kv_format, emit):
+    """``emit(float8_format)``: once (``None``) unless ``storage`` is uint8, else once per
+    float8 format, each under a branch on the run-time ``kv_format``, so that each
+    format's loops widen with their own operations (e5m2 a shift and a conversion, e4m3fn
+    eight operations)."""
+    if np.dtype(str(storage)).name != "uint8":
+        emit(None)
+        return
+    with builder.if_else(builder.icmp_signed("==", kv_format, const(FORMAT_E5M2))) as (
+            e5m2, e4m3fn):
+        with e5m2:
+            emit("e5m2")
+        with e4m3fn:
+            emit("e4m3fn")
+
+
+def splat_int(element, lanes, value):
+    """A vector constant of ``lanes`` copies of ``value`` (an ``element`` integer)."""
+    return ir.Constant(ir.VectorType(element, lanes), [value] * lanes)
 
 
 def sum_lanes(builder, vectors):
@@ -308,7 +320,6 @@ def scores_block_intrinsic(rows, vector_bytes, prefetch_bytes, keys_per_pass=BLO
             qs_v, h_v, k_v, j_v, pages_v, slots_v, i_v, n_v, scores_v, format_v = args
             qs_ty, _, k_ty, _, pages_ty, slots_ty, _, _, scores_ty, _ = signature.args
             vec = Vectors(context, builder, qs_ty.dtype, vector_bytes)
-            stored = StoredRows(context, builder, vec, k_ty.dtype, format_v, prefetch_bytes)
             heads = [builder.add(h_v, const(a)) for a in range(rows)]
             last = builder.sub(n_v, const(1))
             positions = [builder.select(builder.icmp_signed("<", builder.add(i_v, const(b)),
@@ -321,19 +332,25 @@ def scores_block_intrinsic(rows, vector_bytes, prefetch_bytes, keys_per_pass=BLO
                       for head in heads]
             sums = [cgutils.alloca_once_value(builder, ir.Constant(vec.type, 0.0))
                     for _ in range(rows * BLOCK_KEYS)]
+            head_dim = last_dim(context, builder, qs_ty, qs_v)
 
-            def step(offset, mask, keys):
-                for b in keys:
-                    stored.prefetch_ahead(k_rows[b], offset)
-                q = [vec.load(p, offset, mask) for p in q_rows]
-                k = {b: stored.load(k_rows[b], offset, mask) for b in keys}
-                for a in range(rows):
+            def sum_products(float8_format):
+                stored = StoredRows(context, builder, vec, k_ty.dtype, float8_format,
+                                    prefetch_bytes)
+
+                def step(offset, mask, keys):
                     for b in keys:
-                        acc = sums[a * BLOCK_KEYS + b]
-                        builder.store(vec.fma(q[a], k[b], builder.load(acc)), acc)
+                        stored.prefetch_ahead(k_rows[b], offset)
+                    q = [vec.load(p, offset, mask) for p in q_rows]
+                    k = {b: stored.load(k_rows[b], offset, mask) for b in keys}
+                    for a in range(rows):
+                        for b in keys:
+                            acc = sums[a * BLOCK_KEYS + b]
+                            builder.store(vec.fma(q[a], k[b], builder.load(acc)), acc)
 
-            over_row_in_passes(vec, last_dim(context, builder, qs_ty, qs_v), keys_per_pass,
-                               step)
+                over_row_in_passes(vec, head_dim, keys_per_pass, step)
+
+            for_each_format(builder, k_ty.dtype, format_v, sum_products)
             # lane a * 4 + b of the concatenated result: head a, key b
             result = sum_lanes(builder, [builder.load(acc) for acc in sums])
             _store_scores(context, builder, vec, result, rows, heads, i_v, n_v, scores_ty,
@@ -398,7 +415,6 @@ def values_block_intrinsic(rows, vector_bytes, prefetch_bytes, keys_per_pass=BLO
             w_v, h_v, v_v, j_v, pages_v, slots_v, i_v, acc_v, format_v = args
             w_ty, _, v_ty, _, pages_ty, slots_ty, _, acc_ty, _ = signature.args
             vec = Vectors(context, builder, acc_ty.dtype, vector_bytes)
-            stored = StoredRows(context, builder, vec, v_ty.dtype, format_v, prefetch_bytes)
             heads = [builder.add(h_v, const(a)) for a in range(rows)]
             positions = [builder.add(i_v, const(b)) for b in range(BLOCK_KEYS)]
             v_rows = key_rows(context, builder, v_ty, v_v, j_v, pages_ty, pages_v,
@@ -408,19 +424,25 @@ def values_block_intrinsic(rows, vector_bytes, prefetch_bytes, keys_per_pass=BLO
             weight = [[vec.splat(builder.load(row_pointer(context, builder, w_ty, w_v,
                                                           [head, p])))
                        for p in positions] for head in heads]
+            head_dim = last_dim(context, builder, acc_ty, acc_v)
 
-            def step(offset, mask, keys):
-                for b in keys:
-                    stored.prefetch_ahead(v_rows[b], offset)
-                v = {b: stored.load(v_rows[b], offset, mask) for b in keys}
-                for a in range(rows):
-                    total = vec.load(acc_rows[a], offset, mask)
+            def add_products(float8_format):
+                stored = StoredRows(context, builder, vec, v_ty.dtype, float8_format,
+                                    prefetch_bytes)
+
+                def step(offset, mask, keys):
                     for b in keys:
-                        total = vec.fma(weight[a][b], v[b], total)
-                    vec.store(total, acc_rows[a], offset, mask)
+                        stored.prefetch_ahead(v_rows[b], offset)
+                    v = {b: stored.load(v_rows[b], offset, mask) for b in keys}
+                    for a in range(rows):
+                        total = vec.load(acc_rows[a], offset, mask)
+                        for b in keys:
+                            total = vec.fma(weight[a][b], v[b], total)
+                        vec.store(total, acc_rows[a], offset, mask)
 
-            over_row_in_passes(vec, last_dim(context, builder, acc_ty, acc_v), keys_per_pass,
-                               step)
+                over_row_in_passes(vec, head_dim, keys_per_pass, step)
+
+            for_each_format(builder, v_ty.dtype, format_v, add_products)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -440,7 +462,6 @@ def values_tile_intrinsic(rows, vector_bytes, tile_vectors=TILE_VECTORS):
             w_v, h_v, v_v, j_v, pages_v, slots_v, n_v, acc_v, format_v = args
             w_ty, _, v_ty, _, pages_ty, slots_ty, _, acc_ty, _ = signature.args
             vec = Vectors(context, builder, acc_ty.dtype, vector_bytes)
-            stored = StoredRows(context, builder, vec, v_ty.dtype, format_v)
             heads = [builder.add(h_v, const(a)) for a in range(rows)]
             head_dim = last_dim(context, builder, acc_ty, acc_v)
             # vector c holds elements c * lanes ..; its lanes past head_dim are masked
@@ -455,18 +476,24 @@ def values_tile_intrinsic(rows, vector_bytes, tile_vectors=TILE_VECTORS):
             sums = [[cgutils.alloca_once_value(
                 builder, vec.load(acc_rows[a], const(c * vec.lanes), masks[c]))
                 for c in range(tile_vectors)] for a in range(rows)]
-            with cgutils.for_range(builder, n_v) as loop:
-                position = loop.index
-                (v_row,) = key_rows(context, builder, v_ty, v_v, j_v, pages_ty, pages_v,
-                                    slots_ty, slots_v, [position])
-                weight = [vec.splat(builder.load(row_pointer(context, builder, w_ty, w_v,
-                                                             [head, position])))
-                          for head in heads]
-                for c in range(tile_vectors):
-                    value = stored.load(v_row, const(c * vec.lanes), masks[c])
-                    for a in range(rows):
-                        total = sums[a][c]
-                        builder.store(vec.fma(weight[a], value, builder.load(total)), total)
+
+            def add_products(float8_format):
+                stored = StoredRows(context, builder, vec, v_ty.dtype, float8_format)
+                with cgutils.for_range(builder, n_v) as loop:
+                    position = loop.index
+                    (v_row,) = key_rows(context, builder, v_ty, v_v, j_v, pages_ty, pages_v,
+                                        slots_ty, slots_v, [position])
+                    weight = [vec.splat(builder.load(row_pointer(context, builder, w_ty, w_v,
+                                                                 [head, position])))
+                              for head in heads]
+                    for c in range(tile_vectors):
+                        value = stored.load(v_row, const(c * vec.lanes), masks[c])
+                        for a in range(rows):
+                            total = sums[a][c]
+                            builder.store(vec.fma(weight[a], value, builder.load(total)),
+                                          total)
+
+            for_each_format(builder, v_ty.dtype, format_v, add_products)
             for a in range(rows):
                 for c in range(tile_vectors):
                     vec.store(builder.load(sums[a][c]), acc_rows[a], const(c * vec.lanes),
@@ -677,12 +704,13 @@ def copy_widened(context, builder, vector_bytes, storage, source, dtype, target,
     """``target[:length]`` (of ``dtype``) = ``source[:length]`` (stored as ``storage``
     holds ``kv_format``) widened: whole vectors, then the tail under a mask."""
     vec = Vectors(context, builder, dtype, vector_bytes)
-    stored = StoredRows(context, builder, vec, storage, kv_format)
 
-    def step(offset, mask):
-        vec.store(stored.load(source, offset, mask), target, offset, mask)
+    def copy(float8_format):
+        stored = StoredRows(context, builder, vec, storage, float8_format)
+        vec.over_row(length, lambda offset, mask: vec.store(stored.load(source, offset, mask),
+                                                            target, offset, mask))
 
-    vec.over_row(length, step)
+    for_each_format(builder, storage, kv_format, copy)
 
 
 def widen_span_intrinsic(vector_bytes):
@@ -735,7 +763,7 @@ def round_span_intrinsic(vector_bytes):
             float16 = bits_ty.dtype == types.int16
 
             def splat(value):
-                return splat_i32(lanes, value)
+                return splat_int(I32, lanes, value)
 
             def step(offset, mask):
                 x = vec.load(source, offset, mask)
