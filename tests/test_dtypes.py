@@ -243,9 +243,10 @@ def test_outputs_go_where_asked(rng):
 @pytest.mark.parametrize("q_name", ["bfloat16", "float16"])
 def test_large_16_bit_queries_convert_on_the_threads(q_name, rng):
     """Queries and results of :data:`~numattn.kernels.cpu.convert.PARALLEL_ELEMENTS` or more
-    elements are converted by the CPU's threads: the same bits as the float32 call's result
-    rounded by ml_dtypes and NumPy (an ``out`` of q's dtype written in place; one of float32
-    takes the kernel's result as it is)."""
+    elements are converted by the CPU's threads (the flash kernel reads the queries and
+    rounds its rows itself): the same bits as the float32 call's result rounded by ml_dtypes
+    and NumPy (an ``out`` of q's dtype written in place; one of float32 takes the kernel's
+    result as it is)."""
     from numattn.kernels.cpu.convert import PARALLEL_ELEMENTS
 
     dtype = dtype_of(q_name)

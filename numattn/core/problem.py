@@ -151,7 +151,8 @@ class AttentionProblem(NamedTuple):
     compiled, the scale in the compute dtype.  ``out`` is the caller's (checked) or
     ``None``; the backend allocates the result (of ``out_shape``) and the LSE.  The queries
     are of the compute dtype too, but for 16-bit ones on the CPU: those stay as given, and
-    :func:`numattn.kernels.cpu.convert.on_cpu` widens them for the drivers.
+    :func:`numattn.kernels.cpu.convert.on_cpu` widens them for the drivers (the flash
+    driver reads them as they are, and writes its result in q's dtype).
     """
 
     queries: QueryRows

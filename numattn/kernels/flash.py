@@ -29,4 +29,4 @@ def _cpu_driver():
     from .cpu.convert import on_cpu
     from .cpu.flash import run_flash_cpu
 
-    return functools.partial(on_cpu, run_flash_cpu)
+    return functools.partial(on_cpu, run_flash_cpu, reads_16_bit=True)

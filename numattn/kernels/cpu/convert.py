@@ -25,18 +25,27 @@ PIECE_ELEMENTS = 1 << 15
 PARALLEL_ELEMENTS = 1 << 17
 
 
-def on_cpu(driver, problem, *args):
+def on_cpu(driver, problem, *args, reads_16_bit=False):
     """``driver(problem, *args)`` (a CPU driver, returning ``(result, lse)``) with 16-bit
     queries given to it widened to the compute dtype and its result rounded to q's dtype
-    (into the caller's ``out`` when that is of q's dtype)."""
+    (into the caller's ``out`` when that is of q's dtype).  A driver that ``reads_16_bit``
+    takes the queries as they are and writes a result of q's dtype itself: it is given
+    an ``out`` of that dtype (the caller's, or a new array) wherever the caller gave none
+    of the compute dtype."""
+    target = problem.result_dtype
+    final = problem.final_out
+    if reads_16_bit:
+        if (problem.out is None and target.name in SIXTEEN_BIT_NAMES
+                and (final is None or (isinstance(final, np.ndarray) and final.dtype == target))):
+            final = np.empty(problem.out_shape, target) if final is None else final
+            return final, driver(problem._replace(out=final), *args)[1]
+        return driver(problem, *args)
     q = problem.q
     if q.dtype.name in SIXTEEN_BIT_NAMES:
         problem = problem._replace(queries=problem.queries._replace(q=widened(q, problem.dtype)))
     result, lse = driver(problem, *args)
-    target = problem.result_dtype
     if (problem.out is None and target.name in SIXTEEN_BIT_NAMES and result.dtype == np.float32
             and result.size >= PARALLEL_ELEMENTS):
-        final = problem.final_out
         if final is None:
             final = np.empty(result.shape, target)
         if isinstance(final, np.ndarray) and final.dtype == target:  # (C-contiguous: checked)

@@ -32,6 +32,7 @@ import threading
 
 import numpy as np
 
+from ...core.dtypes import kernel_view, storage_format
 from ...core.jit import body, cpu_jit, prange
 from ...core.masks import TILE_FULL, TILE_NONE, TILE_PARTIAL
 from ...core.validate import row_counts
@@ -39,9 +40,10 @@ from ..shared.masks import add_bias, mask_tile_status, mask_visible, visible_spa
 from ..shared.paging import kv_page_slot
 from ..shared.scores import modified_score, read_score
 from ..shared.softmax import accumulate, finish_row
+from .convert import widened
 from .function_tiles import with_tile_tables
 from .schedule import zigzag_schedule
-from .simd import prefetch_head, widen_row
+from .simd import prefetch_head, round_span, widen_row
 from .softmax import softmax_tile
 from .split_k import run_multi_query_cpu
 
@@ -182,13 +184,14 @@ def run_flash_cpu(problem, items=None):
     Returns
     -------
     out, lse
-        The result (``problem.out`` when given) and, with ``problem.return_lse``, the LSE
+        The result (``problem.out`` when given: of the compute dtype, or of q's 16-bit
+        dtype, into which the kernel rounds) and, with ``problem.return_lse``, the LSE
         (else ``None``).
     """
     problem = with_tile_tables(problem)
     queries, layout, mask, softmax, config, out, out_shape, return_lse = problem[:8]
     q, q_offsets = queries[0], queries[1]
-    dtype = q.dtype
+    dtype = problem.dtype  # the compute dtype (the kernel widens 16-bit queries as it reads)
     total, num_heads, head_dim = q.shape
     result = out if out is not None else np.empty(out_shape, dtype)
     lse = np.empty(out_shape[:-1], dtype) if return_lse else None
@@ -205,9 +208,16 @@ def run_flash_cpu(problem, items=None):
     if (max_q_len <= MULTI_QUERY_MAX_LEN and work > MULTI_QUERY_MIN_WORK
             and total >= MULTI_QUERY_MIN_ACTIVE * batch * max_q_len
             and layout.max_keys >= MULTI_QUERY_MIN_KEYS_PER_ROW * max_q_len):
-        run_multi_query_cpu(queries, layout, mask, max_q_len, softmax, config, out_rows,
+        # few rows a sequence: decode's kernels, over queries and a result of the compute
+        # dtype
+        if q.dtype != dtype:
+            queries = queries._replace(q=widened(q, dtype))
+        wide_rows = out_rows if out_rows.dtype == dtype else np.empty(out_rows.shape, dtype)
+        run_multi_query_cpu(queries, layout, mask, max_q_len, softmax, config, wide_rows,
                             None if lse is None else lse_rows, work > SERIAL_MULTIPLY_ADDS,
                             problem.special)
+        if wide_rows is not out_rows:
+            out_rows[...] = wide_rows  # rounded to nearest, ties to even
         return result, lse
     if items is None:
         items = work_items(problem)
@@ -215,12 +225,16 @@ def run_flash_cpu(problem, items=None):
     # multiply-adds of the Q K^T and P V products
     parallel = 2 * total_cost * group * head_dim > SERIAL_MULTIPLY_ADDS
     tiling = (group, config.block_q, config.block_k, _SUB_Q)
+    # the queries in their stored type, a row per token as widen_row reads K/V rows
+    q_rows = kernel_view(q).reshape(total, 1, num_heads, head_dim)
+    q_format = storage_format(q.dtype)
     # the parts go as plain tuples: Numba types those in C at each call, NamedTuples in Python
     with _blas_single_thread() if parallel else contextlib.nullcontext():
         cpu_jit(_flash_kernel, parallel=parallel, special=problem.special)(
-            tuple(queries), schedule, layout[:9], tuple(mask[:3]), mask.functions,
+            (q_rows, *queries[1:3], q_format), schedule, layout[:9], tuple(mask[:3]),
+            mask.functions,
             tuple(softmax), tiling,
-            (out_rows, lse_rows, lse is not None),
+            (kernel_view(out_rows), lse_rows, lse is not None),
         )
     return result, lse
 
@@ -428,19 +442,21 @@ def _flash_kernel(queries, schedule, kv, mask, functions, softmax, tiling, outpu
     """Every work item of ``schedule = (items, starts)`` (:func:`_work_items`), thread ``t``
     those of ``starts[t]:starts[t + 1]``.
 
-    ``queries``, ``kv``, ``mask`` and ``softmax`` are tuples of the fields of
-    :class:`~numattn.core.problem.QueryRows`, :class:`~numattn.core.problem.PagedKV`,
+    ``queries = (q [T, 1, H, D], offsets, start_pos, q_format)``: the queries in their
+    stored type (a kernel view, as K/V rows are read; ``q_format`` the ``FORMAT_*`` code)
+    and fields of :class:`~numattn.core.problem.QueryRows`; ``kv``, ``mask`` and
+    ``softmax`` are tuples of the fields of :class:`~numattn.core.problem.PagedKV`,
     :class:`~numattn.core.problem.MaskArgs` (but its ``functions``, apart: a parallel loop
     takes no tuple that holds a tuple) and :class:`~numattn.core.problem.SoftmaxArgs`;
     ``tiling = (group, block_q, block_k, sub_q)``; ``outputs = (out [T, H, D], lse [T, H],
-    want_lse)``.
+    want_lse)``, ``out`` of the compute dtype or a kernel view of q's 16-bit dtype (rows
+    rounded as :func:`.simd.round_span` rounds).
     """
-    q = queries[0]
     items, starts = schedule
     item_seq, item_head, item_row0, item_width = items[0], items[1], items[2], items[3]
     group, block_q, block_k = tiling[0], tiling[1], tiling[2]
-    head_dim = q.shape[2]
-    dtype = q.dtype
+    head_dim = queries[0].shape[3]
+    dtype = outputs[1].dtype
     widest = 0  # rows of the widest item (at most block_q): scratch for the stacked rows
     for item in range(item_width.shape[0]):
         widest = max(widest, item_width[item])
@@ -470,7 +486,7 @@ def _flash_kernel(queries, schedule, kv, mask, functions, softmax, tiling, outpu
 def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outputs, scratch):
     """Compute one work item: ``width`` query rows from ``row0`` of sequence ``b``, one KV head
     (the arguments as :func:`_flash_kernel` takes them)."""
-    q, q_offsets, q_start_pos = queries[0], queries[1], queries[2]
+    q, q_offsets, q_start_pos, q_format = queries[0], queries[1], queries[2], queries[3]
     k_blocks, v_blocks, page_size, lookup_table, row_base, num_keys, k_scales, v_scales, \
         kv_format = kv
     has_scales = k_scales.shape[0] > 0
@@ -480,8 +496,8 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
     out, lse, want_lse = outputs
     q_buf, acc_buf, row_state = scratch[0], scratch[1], scratch[4]
     k_tile, v_tile, key_rows = scratch[5], scratch[6], scratch[8]
-    head_dim = q.shape[2]
-    zero = scale - scale  # 0 of q's dtype
+    head_dim = q.shape[3]
+    zero = scale - scale  # 0 of the compute dtype
     n_bm = additive.shape[0]
     q_base = q_offsets[b] + row0
     pos0 = q_start_pos[b] + row0
@@ -494,8 +510,9 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
     for r in range(width):
         for hl in range(group):
             base = (r * group + hl) * head_dim
-            for d in range(head_dim):
-                q_buf[base + d] = q[q_base + r, h0 + hl, d] * scale
+            widen_row(q, q_base + r, 0, h0 + hl, q_buf, base, q_format)
+            for d in range(base, base + head_dim):
+                q_buf[d] *= scale
     for i in range(rows * head_dim):
         acc_buf[i] = 0
     m_run = row_state[0]
@@ -567,6 +584,7 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
             ka, kb = _key_extent(program, functions, b, pos0 + r0, pos0 + r1 - 1, k0, kw)
             _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k0,
                        group, mask, b, bm, kv_head, row0)
+    row = scratch[2]  # (the P V product's scratch, free now)
     for r in range(width):
         for hl in range(group):
             h = h0 + hl
@@ -574,6 +592,7 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
             sink = sinks[h] if has_sink else sinks[0]
             out_scale, row_lse = finish_row(m_run[i], l_run[i], sink, has_sink)
             for d in range(head_dim):
-                out[q_base + r, h, d] = acc_buf[i * head_dim + d] * out_scale
+                row[d] = acc_buf[i * head_dim + d] * out_scale
+            round_span(row, out[q_base + r, h], 0, head_dim)  # (or copied: of the same dtype)
             if want_lse:
                 lse[q_base + r, h] = row_lse

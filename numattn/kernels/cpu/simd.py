@@ -251,9 +251,13 @@ def round_span(values, bits, start, count):
     to the nearest 16-bit float, ties to even, as the bits of a kernel view (1-D and
     contiguous): ``uint16`` holds bfloat16 (NaN becomes the quiet NaN of its sign, as
     ``ml_dtypes`` gives), ``int16`` float16 (as NumPy rounds; a NaN stays a quiet NaN):
-    results of the compute dtype made q's dtype."""
+    results of the compute dtype made q's dtype.  ``bits`` of ``values``' dtype get the
+    values as they are."""
     from ...core.dtypes import ml_dtype
 
+    if bits.dtype == values.dtype:
+        bits[start:start + count] = values[start:start + count]
+        return
     dtype = np.float16 if bits.dtype == np.int16 else ml_dtype("bfloat16")
     bits[start:start + count] = values[start:start + count].astype(dtype).view(bits.dtype)
 
@@ -416,6 +420,13 @@ def _forward_widen_span(intrinsic):
 
 def _forward_round_span(intrinsic):
     def typer(values, bits, start, count):
+        if bits.dtype == values.dtype:  # a result of the compute dtype: copied
+
+            def copy(values, bits, start, count):
+                bits[start:start + count] = values[start:start + count]
+
+            return copy
+
         def impl(values, bits, start, count):
             intrinsic(values, bits, start, count)
 
