@@ -94,6 +94,8 @@ BLOCK_ROWS = (4, 2, 1)
 TILE_VECTORS = 4
 #: Running sums of :func:`lane_sum` (lanes of its vector, on every machine).
 SUM_LANES = 16
+#: A cache line, what each prefetch request asks for.
+LINE_BYTES = 64
 #: The hardware prefetcher's page: it follows a stream of lines within one, and starts
 #: again in the next (:func:`prefetch_row` warms that start).
 PREFETCH_PAGE_BYTES = 4096

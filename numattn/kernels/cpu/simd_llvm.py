@@ -23,6 +23,7 @@ from .simd import (
     EXP_P,
     EXP_Q,
     EXPF_P,
+    LINE_BYTES,
     PREFETCH_PAGE_BYTES,
     SUM_LANES,
     TILE_VECTORS,
@@ -70,16 +71,13 @@ def broadcast(builder, scalar, lanes):
 class Vectors:
     """Vector loads, stores and arithmetic on the rows of one array dtype.
 
-    Vectors of ``vector_bytes`` (or ``lanes`` lanes); :meth:`prefetch_ahead` asks for the
-    line ``prefetch_bytes`` past a load (0: no requests).
+    Vectors of ``vector_bytes`` (or ``lanes`` lanes).
     """
 
-    def __init__(self, context, builder, dtype, vector_bytes=0, prefetch_bytes=0,
-                 lanes=None):
+    def __init__(self, context, builder, dtype, vector_bytes=0, lanes=None):
         self.builder = builder
         self.itemsize = np.dtype(str(dtype)).itemsize
         self.lanes = lanes or max(1, vector_bytes // self.itemsize)
-        self.prefetch_bytes = prefetch_bytes
         element = context.get_data_type(dtype)
         self.type = ir.VectorType(element, self.lanes)
         letter = "f" if np.dtype(str(dtype)).kind == "f" else "i"
@@ -105,15 +103,6 @@ class Vectors:
 
     def fma(self, a, b, c):
         return call(self.builder, f"llvm.fma.{self.name}", self.type, [a, b, c])
-
-    def prefetch_ahead(self, ptr, offset):
-        """Ask for the line ``prefetch_bytes`` past element ``ptr[offset]`` (a hint, which
-        never faults); nothing for ``prefetch_bytes = 0``."""
-        if not self.prefetch_bytes:
-            return
-        ahead = self.builder.add(offset, const(self.prefetch_bytes // self.itemsize))
-        prefetch_line(self.builder, self.builder.bitcast(self.builder.gep(ptr, [ahead]),
-                                                         ir.IntType(8).as_pointer()))
 
     def splat(self, scalar):
         return broadcast(self.builder, scalar, self.lanes)
@@ -198,7 +187,9 @@ class StoredRows:
                               ir.Constant(target, [float("nan")] * lanes), value)
 
     def prefetch_ahead(self, ptr, offset):
-        """As :meth:`Vectors.prefetch_ahead`, over the stored elements."""
+        """Ask for the line ``prefetch_bytes`` past element ``ptr[offset]`` (a hint, which
+        never faults); nothing for ``prefetch_bytes = 0``.  One request per load, also where
+        a line holds several loads' elements (once per line measured the same)."""
         if not self.prefetch_bytes:
             return
         ahead = self.builder.add(offset, const(self.prefetch_bytes // self.itemsize))
@@ -663,11 +654,12 @@ def prefetch_row_intrinsic():
                 builder, context.make_array(blocks_ty)(context, builder, blocks_v).shape, 4)
             row_elems = builder.mul(shape[2], shape[3])
             row_lines = builder.udiv(builder.add(builder.mul(row_elems, const(itemsize)),
-                                                 const(63)), const(64))
+                                                 const(LINE_BYTES - 1)), const(LINE_BYTES))
             lines = builder.select(builder.icmp_signed("<", lines_v, row_lines), lines_v,
                                    row_lines)
             with cgutils.for_range(builder, lines) as loop:
-                prefetch_line(builder, builder.gep(row, [builder.mul(loop.index, const(64))]))
+                prefetch_line(builder,
+                              builder.gep(row, [builder.mul(loop.index, const(LINE_BYTES))]))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -805,11 +797,13 @@ def prefetch_head_intrinsic():
             head_dim = last_dim(context, builder, blocks_ty, blocks_v)
             start = builder.ptrtoint(row, I64)
             end = builder.add(start, builder.mul(head_dim, const(itemsize)))
-            first = builder.and_(start, const(-64))  # the line that holds the row's start
-            lines = builder.udiv(builder.sub(builder.add(end, const(63)), first), const(64))
+            first = builder.and_(start, const(-LINE_BYTES))  # the line of the row's start
+            lines = builder.udiv(builder.sub(builder.add(end, const(LINE_BYTES - 1)), first),
+                                 const(LINE_BYTES))
             base = builder.inttoptr(first, ir.IntType(8).as_pointer())
             with cgutils.for_range(builder, lines) as loop:
-                prefetch_line(builder, builder.gep(base, [builder.mul(loop.index, const(64))]))
+                prefetch_line(builder,
+                              builder.gep(base, [builder.mul(loop.index, const(LINE_BYTES))]))
             return context.get_dummy_value()
 
         return sig, codegen
