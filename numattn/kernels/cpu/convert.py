@@ -32,26 +32,33 @@ def on_cpu(driver, problem, *args, reads_16_bit=False):
     takes the queries as they are and writes a result of q's dtype itself: it is given
     an ``out`` of that dtype (the caller's, or a new array) wherever the caller gave none
     of the compute dtype."""
-    target = problem.result_dtype
-    final = problem.final_out
     if reads_16_bit:
-        if (problem.out is None and target.name in SIXTEEN_BIT_NAMES
-                and (final is None or (isinstance(final, np.ndarray) and final.dtype == target))):
-            final = np.empty(problem.out_shape, target) if final is None else final
-            return final, driver(problem._replace(out=final), *args)[1]
-        return driver(problem, *args)
+        final = _narrow_out(problem)
+        if final is None:
+            return driver(problem, *args)
+        return final, driver(problem._replace(out=final), *args)[1]
     q = problem.q
     if q.dtype.name in SIXTEEN_BIT_NAMES:
         problem = problem._replace(queries=problem.queries._replace(q=widened(q, problem.dtype)))
     result, lse = driver(problem, *args)
-    if (problem.out is None and target.name in SIXTEEN_BIT_NAMES and result.dtype == np.float32
-            and result.size >= PARALLEL_ELEMENTS):
-        if final is None:
-            final = np.empty(result.shape, target)
-        if isinstance(final, np.ndarray) and final.dtype == target:  # (C-contiguous: checked)
+    if result.dtype == np.float32 and result.size >= PARALLEL_ELEMENTS:
+        final = _narrow_out(problem)
+        if final is not None:
             _run(_round_kernel, result, kernel_view(final))
             return final, lse
     return result, lse
+
+
+def _narrow_out(problem):
+    """The array of q's 16-bit dtype a result goes into: the caller's ``out`` of that dtype
+    (C-contiguous: checked) or a new one; None where the caller gave an ``out`` of the
+    compute dtype or another kind of array, or where q is not 16-bit."""
+    target, final = problem.result_dtype, problem.final_out
+    if problem.out is not None or target.name not in SIXTEEN_BIT_NAMES:
+        return None
+    if final is None:
+        return np.empty(problem.out_shape, target)
+    return final if isinstance(final, np.ndarray) and final.dtype == target else None
 
 
 def rounded(x, dtype):

@@ -189,7 +189,8 @@ class StoredRows:
     def prefetch_ahead(self, ptr, offset):
         """Ask for the line ``prefetch_bytes`` past element ``ptr[offset]`` (a hint, which
         never faults); nothing for ``prefetch_bytes = 0``.  One request per load, also where
-        a line holds several loads' elements (once per line measured the same)."""
+        a line holds several loads' elements (docs/performance.rst: once per line gained
+        nothing)."""
         if not self.prefetch_bytes:
             return
         ahead = self.builder.add(offset, const(self.prefetch_bytes // self.itemsize))
