@@ -9,6 +9,7 @@ CPU kernel's own promises (threads, schedule, tiles, bitwise repeatability), and
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -465,27 +466,54 @@ def test_whole_tile_and_block_sums_agree(dtype, rng, monkeypatch):
         assert_close(got, want, dtype)
 
 
-def test_cpu_tiles_of_short_rows_are_longer():
-    """CPU tiles hold block_k keys, or for short rows a multiple of it up to TILE_BYTES of K
-    (at most MAX_TILE_MULTIPLE); partitions stay aligned to block_k."""
+def test_cpu_tiles_hold_up_to_tile_bytes_of_stored_k(monkeypatch):
+    """CPU tiles hold block_k keys, or a multiple of it up to tile_bytes() of K as stored
+    (at most MAX_TILE_MULTIPLE times); partitions stay aligned to block_k."""
     from types import SimpleNamespace
 
-    MAX_TILE_MULTIPLE = internals.cpu_split_k.MAX_TILE_MULTIPLE
-    TILE_BYTES = internals.cpu_split_k.TILE_BYTES
+    decode_module = internals.cpu_split_k
+    MAX_TILE_MULTIPLE = decode_module.MAX_TILE_MULTIPLE
 
     def tile(kv_heads, head_dim, dtype, block_k=128):
         layout = SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim, dtype=np.dtype(dtype))
-        compute = np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.dtype(np.float32)
-        return internals.cpu_tile_keys(layout, compute, block_k)
+        return internals.cpu_tile_keys(layout, block_k)
 
+    monkeypatch.setattr(decode_module, "tile_bytes", lambda: 2**18)
     assert tile(8, 128, np.float32) == 128  # rows of 4 KiB
     assert tile(1, 64, np.float32) == 1024  # 256 B: 1024 keys of 256 KiB
     assert tile(2, 64, np.float32) == 512
     assert tile(2, 64, np.float64) == 256
     assert tile(1, 1, np.float32) == 128 * MAX_TILE_MULTIPLE
     assert tile(1, 1, np.float32, block_k=4) == 4 * MAX_TILE_MULTIPLE
-    assert tile(1, 64, np.float32, block_k=TILE_BYTES) == TILE_BYTES
-    assert tile(8, 128, np.int8) == 128  # counted in the compute dtype, not as stored
+    assert tile(1, 64, np.float32, block_k=2**18) == 2**18
+    monkeypatch.setattr(decode_module, "tile_bytes", lambda: 2**20)
+    assert tile(8, 128, np.float32) == 256  # 1 MiB of K
+    assert tile(8, 128, ml_dtypes.bfloat16) == 512  # counted as stored
+    assert tile(8, 128, np.int8) == 1024
+    assert tile(8, 128, np.float64) == 128
+
+
+def test_tile_bytes_are_half_the_l2_cache(tmp_path):
+    """tile_bytes() reads the L2 cache's size where Linux reports it (the level-2 entry,
+    whichever its index), halves it and keeps it within [MIN_TILE_BYTES, MAX_TILE_BYTES]."""
+    decode_module = internals.cpu_split_k
+
+    def caches(name, **levels):
+        root = tmp_path / name
+        for index, (level, size) in enumerate(levels.values()):
+            entry = root / f"index{index}"
+            entry.mkdir(parents=True)
+            (entry / "level").write_text(f"{level}\n")
+            (entry / "size").write_text(f"{size}\n")
+        return str(root)
+
+    intel = caches("intel", l1d=(1, "48K"), l1i=(1, "32K"), l2=(2, "2048K"), l3=(3, "480M"))
+    assert decode_module.tile_bytes(intel) == 2**20
+    assert decode_module.tile_bytes(caches("zen3", l1d=(1, "32K"), l2=(2, "512K"))) == 2**18
+    assert decode_module.tile_bytes(caches("zen4", l1d=(1, "32K"), l2=(2, "1M"))) == 2**19
+    assert decode_module.tile_bytes(caches("huge", l2=(2, "16M"))) == 2**20
+    assert decode_module.tile_bytes(caches("odd", l2=(2, "lots"))) == 2**18
+    assert decode_module.tile_bytes(str(tmp_path / "none")) == 2**18
 
 
 @pytest.mark.parametrize("dtype", FLOAT32_FAST)

@@ -63,11 +63,14 @@ SERIAL_REDUCE_ELEMENTS = 2**18
 PREFETCH_KEYS = 4
 PREFETCH_LINES = 2
 PREFETCH_MIN_ROW_BYTES = 4096
-#: CPU decode: tiles hold ``block_k`` keys or, for short rows, a multiple of it up to
-#: TILE_BYTES of K (at most MAX_TILE_MULTIPLE times), so that each pass over a tile's K or
-#: V rows reads streams long enough for the hardware prefetcher ("Decode with short rows"
-#: in docs/performance.rst).
-TILE_BYTES = 2**18
+#: CPU decode: tiles hold ``block_k`` keys or a multiple of it up to
+#: :func:`tile_bytes` of K as stored (at most MAX_TILE_MULTIPLE times), so that each pass
+#: over a tile's K or V rows reads streams long enough for the hardware prefetcher, and the
+#: work of each tile (the accumulators rescaled, the next tile's rows found) is shared by
+#: more keys: half a core's L2 cache, from MIN_TILE_BYTES to MAX_TILE_BYTES ("Decode with
+#: short rows" and "Tiles of 16- and 8-bit K/V" in docs/performance.rst).
+MIN_TILE_BYTES = 2**18
+MAX_TILE_BYTES = 2**20
 MAX_TILE_MULTIPLE = 8
 #: CPU: a tile's weighted V rows are summed over the whole tile per block of query heads
 #: (accumulators in registers, :func:`.simd.values_tile_4`) when a token's row of all KV
@@ -93,13 +96,34 @@ def _prefetch_lines(layout, dtype):
     return PREFETCH_LINES if _row_bytes(layout, dtype) >= PREFETCH_MIN_ROW_BYTES else 0
 
 
-def _cpu_tile_keys(layout, dtype, block_k):
-    """Keys per tile of the CPU decode kernel: ``block_k``, or for short rows the multiple of
-    it (up to :data:`MAX_TILE_MULTIPLE`) nearest below :data:`TILE_BYTES` of K per tile,
-    counted in the compute ``dtype`` (the tile's scores and weights grow with it, whatever
-    the rows' stored size).  Partitions stay aligned to ``block_k``."""
-    multiple = TILE_BYTES // (block_k * max(1, _row_bytes(layout, dtype)))
+def _cpu_tile_keys(layout, block_k):
+    """Keys per tile of the CPU decode kernel: the multiple of ``block_k`` (1 to
+    :data:`MAX_TILE_MULTIPLE` times) nearest below :func:`tile_bytes` of K per tile as
+    stored (a bfloat16 tile holds twice the keys of a float32 one).  Partitions stay aligned
+    to ``block_k``."""
+    multiple = tile_bytes() // (block_k * max(1, _row_bytes(layout, layout.dtype)))
     return block_k * max(1, min(MAX_TILE_MULTIPLE, multiple))
+
+
+@functools.cache
+def tile_bytes(cache_dir="/sys/devices/system/cpu/cpu0/cache"):
+    """Bytes of K per CPU decode tile (:func:`_cpu_tile_keys`): half the L2 cache of a core
+    as Linux reports it in ``cache_dir``, within :data:`MIN_TILE_BYTES` and
+    :data:`MAX_TILE_BYTES`; :data:`MIN_TILE_BYTES` where it is not reported."""
+    import glob
+
+    for cache in sorted(glob.glob(f"{cache_dir}/index*")):
+        try:
+            with open(f"{cache}/level") as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(f"{cache}/size") as f:
+                size = f.read().strip()  # "2048K"
+            l2 = int(size[:-1]) * {"K": 2**10, "M": 2**20}[size[-1]]
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+        return min(MAX_TILE_BYTES, max(MIN_TILE_BYTES, l2 // 2))
+    return MIN_TILE_BYTES
 
 
 def _whole_tile_values(layout, dtype):
@@ -139,7 +163,7 @@ def decode_launch(layout, q_offsets, dtype, config, num_partitions):
         parts = partition_count(num_partitions, layout.max_keys, batch, block_k,
                                 numba.get_num_threads())
     parallel = not serial and batch * parts > 1
-    return DecodeLaunch(_tiling(layout, dtype, block_k, _cpu_tile_keys(layout, dtype, block_k)),
+    return DecodeLaunch(_tiling(layout, dtype, block_k, _cpu_tile_keys(layout, block_k)),
                         parts, parallel,
                         _schedule(q_offsets, layout.num_keys, parts, block_k, parallel))
 
