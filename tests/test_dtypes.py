@@ -154,6 +154,26 @@ def test_decode_long_caches_take_the_vector_paths(storage, rng):
                      what=f"{storage_id(storage)} {mask}")
 
 
+@pytest.mark.parametrize("storage", [("float32", False), ("bfloat16", False), ("int8", True)],
+                         ids=storage_id)
+def test_tiles_the_mask_cuts_go_block_by_block(storage, rng, monkeypatch):
+    """A tile of several blocks that the mask cuts is computed block_k keys at a time (its
+    hidden blocks skipped), right as tiles of one block are, with windows that start and
+    end inside tiles (NaN in the slots past each sequence)."""
+    from numattn.kernels.cpu import split_k
+
+    k, v = make_step(rng, "paged", [300, 0, 129, 77], [1, 1, 1, 1], 2, 16, storage,
+                     page_size=16)
+    q = randn(rng, (4, 8, 16), np.float32)
+    mask = SlidingWindowCausalMask(37)
+    want = reference.decode_attention(q, k, v, mask)
+    for tile_keys in (4, 32):  # one block of block_k=4, then eight
+        monkeypatch.setattr(split_k, "_cpu_tile_keys",
+                            lambda layout, block_k, tile_keys=tile_keys: tile_keys)
+        got = numattn.decode_attention(q, k, v, mask, config=numattn.MHAConfig(block_k=4))
+        assert_close(got, want, np.float32, what=f"{storage_id(storage)} tiles {tile_keys}")
+
+
 @pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
 def test_cross_attention_reads_stored_kv(name, rng):
     """Plain K/V rows (which carry no scales) of every unscaled format."""

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...core.jit import body, cpu_jit, prange
-from ...core.masks import TILE_FULL, TILE_NONE
+from ...core.masks import TILE_FULL, TILE_NONE, TILE_PARTIAL
 from ...core.validate import row_counts
 from ..shared.masks import key_bias, mask_tile_status, mask_visible
 from ..shared.paging import kv_page_slot
@@ -341,7 +341,8 @@ def _decode_partitions_cpu(queries, kv, mask, functions, scale, tiling, schedule
     weighted V rows (:func:`_tile_values`).  Scores use ``q * scale`` (scaled once).
 
     Partitions are aligned to ``block_k`` keys, tiles hold ``tile_keys`` (a multiple of it:
-    :func:`_cpu_tile_keys`); ``prefetch_lines`` (:func:`_prefetch_lines`) and
+    :func:`_cpu_tile_keys`), or ``block_k`` where the mask hides part of a tile (its hidden
+    blocks are then skipped, not scored); ``prefetch_lines`` (:func:`_prefetch_lines`) and
     ``tile_values`` (:func:`_whole_tile_values`) choose how rows are read for their length.
     """
     q, q_offsets, q_start_pos, max_q_len = queries
@@ -392,9 +393,17 @@ def _decode_partitions_cpu(queries, kv, mask, functions, scale, tiling, schedule
                     qs[r, d] = q[q_row, h, d] * scale if s < q_len else zero
             if q_len == 0:
                 continue
-            for k0 in range(start, end, tile_keys):
+            next_k0 = start
+            while next_k0 < end:
+                k0 = next_k0
                 k1 = min(k0 + tile_keys, end)
                 status = mask_tile_status(program, functions, b, q0, q0 + q_len - 1, k0, k1 - 1)
+                if status == TILE_PARTIAL and k1 - k0 > block_k:
+                    # a tile the mask cuts goes block_k keys at a time: hidden ones skipped
+                    k1 = k0 + block_k
+                    status = mask_tile_status(program, functions, b, q0, q0 + q_len - 1, k0,
+                                              k1 - 1)
+                next_k0 = k1
                 if status == TILE_FULL:
                     continue
                 n = k1 - k0
