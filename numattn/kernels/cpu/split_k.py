@@ -63,12 +63,11 @@ SERIAL_REDUCE_ELEMENTS = 2**18
 PREFETCH_KEYS = 4
 PREFETCH_LINES = 2
 PREFETCH_MIN_ROW_BYTES = 4096
-#: CPU decode: tiles hold ``block_k`` keys or a multiple of it up to
-#: :func:`tile_bytes` of K as stored (at most MAX_TILE_MULTIPLE times), so that each pass
-#: over a tile's K or V rows reads streams long enough for the hardware prefetcher, and the
-#: work of each tile (the accumulators rescaled, the next tile's rows found) is shared by
-#: more keys: half a core's L2 cache, from MIN_TILE_BYTES to MAX_TILE_BYTES ("Decode with
-#: short rows" and "Tiles of 16- and 8-bit K/V" in docs/performance.rst).
+#: CPU decode: tiles hold ``block_k`` keys or a multiple of it (at most MAX_TILE_MULTIPLE
+#: times) up to :func:`tile_bytes` of K as stored, half a core's L2 cache within
+#: [MIN_TILE_BYTES, MAX_TILE_BYTES]: longer streams for the hardware prefetcher and each
+#: tile's own work shared by more keys ("Decode with short rows" and "Tiles of 16- and
+#: 8-bit K/V" in docs/performance.rst).
 MIN_TILE_BYTES = 2**18
 MAX_TILE_BYTES = 2**20
 MAX_TILE_MULTIPLE = 8
