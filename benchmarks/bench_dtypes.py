@@ -1,7 +1,7 @@
 """Benchmark of 16- and 8-bit K/V storage on the CPU, side by side with float32 in one run.
 
-Run ``python benchmarks/bench_dtypes.py`` (``--repeat N``; ``--skip-prefill``,
-``--skip-memory``, ``--only-memory``).
+Run ``python benchmarks/bench_dtypes.py`` (``--repeat N``; ``--skip-decode``,
+``--skip-prefill``, ``--skip-memory``, ``--only-memory``).
 
 * Decode, paged (pages of 128), B=8 H=32 Hkv=8 N=4096 D=128 and B=1 N=32768: numattn with
   K/V stored as float32, bfloat16, float16, float8_e4m3fn, float8_e5m2 and int8 (with
@@ -11,7 +11,9 @@ Run ``python benchmarks/bench_dtypes.py`` (``--repeat N``; ``--skip-prefill``,
   numattn's own float32 in the same rounds.  Targets: bfloat16 >= 1.8x float32 and >= 80%
   of the probe; int8 and float8 >= 3.2x float32.
 * Prefill, causal, B=1 H=32 Hkv=8 S=2048 D=128: numattn float32 and bfloat16 against torch
-  SDPA in float32 and bfloat16 (where torch is installed), in the same rounds.
+  SDPA in float32 and bfloat16 (where torch is installed), in the same rounds.  On a CPU
+  with AMX, numattn's bfloat16 runs on the tiles (:mod:`numattn.kernels.cpu.amx`), and
+  a row "bfloat16, vector" shows the same call with the tiles switched off.
 * Memory: the peak resident memory a bfloat16 decode over a 1 GiB cache adds (a child
   process: ``ru_maxrss`` after building the cache and loading the kernels with a call over
   a small cache, after the first call over the whole cache and after ten more); the target
@@ -23,6 +25,7 @@ The machine may be shared: read medians and ratios, not single runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -31,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # numattn
 
+from numattn.kernels.cpu import amx, flash
 from numattn.tools.bench import (
     interleaved_medians,
     read_all_fn,
@@ -107,6 +111,9 @@ def bench_prefill(repeat):
                                    numattn.flash_attention_kv_cache(qs, ks, vs,
                                                                     numattn.CausalMask(),
                                                                     out=out))
+    if amx.available():
+        runs["numattn bf16, vector"] = functools.partial(_without_tiles,
+                                                         runs["numattn bfloat16"])
     if torch is not None:
         sdpa = torch.nn.functional.scaled_dot_product_attention
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
@@ -126,6 +133,16 @@ def bench_prefill(repeat):
     print(f"{'run':<22} {'median ms':>10} {'GFLOP/s':>9} {'vs numattn float32':>19}")
     for (name, _), t in zip(runs.items(), times):
         print(f"{name:<22} {t * 1e3:>10.1f} {flops / t / 1e9:>9.1f} {times[0] / t:>18.2f}x")
+
+
+def _without_tiles(run):
+    """``run()`` with the flash kernel's AMX tiles switched off."""
+    choose = flash._amx_tiles
+    flash._amx_tiles = lambda *args: False
+    try:
+        run()
+    finally:
+        flash._amx_tiles = choose
 
 
 _MEMORY_CHILD = """
@@ -171,6 +188,7 @@ def bench_memory():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=at_least(1), default=7)
+    parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--only-memory", action="store_true")
@@ -179,7 +197,8 @@ def main(argv=None):
     if args.only_memory:
         bench_memory()
         return
-    bench_decode(args.repeat)
+    if not args.skip_decode:
+        bench_decode(args.repeat)
     if not args.skip_prefill:
         bench_prefill(args.repeat)
     if not args.skip_memory:

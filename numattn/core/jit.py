@@ -18,6 +18,9 @@ NUMATTN_CACHE
     Where Numba finds no writable place for it (a read-only install and home directory),
     the kernels compile uncached, with one ``RuntimeWarning`` saying so.  A cached kernel
     is used only by the sources it was compiled from (:func:`source_digest`).
+NUMATTN_AMX
+    ``0`` keeps the flash kernel off Intel AMX tiles (bfloat16 queries and K/V on CPUs that
+    have them: :mod:`numattn.kernels.cpu.amx`); read once per process.
 GOMP_SPINCOUNT
     Unless the user set it (or ``OMP_WAIT_POLICY``), ``import numattn`` sets it to ``1000``,
     so that it is in place when Numba's OpenMP thread pool starts.  By default that pool's

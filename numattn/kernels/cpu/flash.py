@@ -14,6 +14,10 @@ tile of ``group * block_q`` rows, and for each tile of ``block_k`` keys:
    (:func:`.softmax.softmax_tile`) turns ``S`` into ``P``;
 4. ``acc = alpha * acc + P V`` (a second GEMM).
 
+With bfloat16 queries and K/V on a CPU with AMX, steps 2-4 run on tile registers instead
+(:mod:`.amx`): K and V are packed as stored rather than widened, and both products are
+``tdpbf16ps`` tiles (:func:`_tile_step_amx`).
+
 Partially masked tiles are cut into runs of a few query positions, each trimmed to the keys it
 can see, so causal and windowed masks cost about their visible pairs.  BLAS runs
 single-threaded inside the parallel loop, each thread owns its scratch, items are dealt to
@@ -32,7 +36,7 @@ import threading
 
 import numpy as np
 
-from ...core.dtypes import kernel_view, storage_format
+from ...core.dtypes import FORMAT_BFLOAT16, kernel_view, storage_format
 from ...core.jit import body, cpu_jit, prange
 from ...core.masks import TILE_FULL, TILE_NONE, TILE_PARTIAL
 from ...core.validate import row_counts
@@ -40,12 +44,23 @@ from ..shared.masks import add_bias, mask_tile_status, mask_visible, visible_spa
 from ..shared.paging import kv_page_slot
 from ..shared.scores import modified_score, read_score
 from ..shared.softmax import accumulate, finish_row
+from . import amx
+from .amx import (
+    pack_key,
+    pack_value,
+    split_weights,
+    tile_config,
+    tile_configuration,
+    tile_release,
+    tile_scores,
+    tile_values,
+)
 from .convert import widened
 from .function_tiles import with_tile_tables
 from .schedule import zigzag_schedule
 from .simd import prefetch_head, round_span, widen_row
 from .softmax import softmax_tile
-from .split_k import run_multi_query_cpu
+from .split_k import aligned_empty, run_multi_query_cpu
 
 _BLAS_LIBRARIES = None  # threadpoolctl's controllers of the BLAS libraries loaded
 _BLAS_LOCK = threading.Lock()
@@ -224,10 +239,11 @@ def run_flash_cpu(problem, items=None):
     schedule, total_cost = items[:2], items[2]
     # multiply-adds of the Q K^T and P V products
     parallel = 2 * total_cost * group * head_dim > SERIAL_MULTIPLY_ADDS
-    tiling = (group, config.block_q, config.block_k, _SUB_Q)
     # the queries in their stored type, a row per token as widen_row reads K/V rows
     q_rows = kernel_view(q).reshape(total, 1, num_heads, head_dim)
     q_format = storage_format(q.dtype)
+    tiling = (group, config.block_q, config.block_k, _SUB_Q,
+              _amx_tiles(q_format, layout, dtype))
     # the parts go as plain tuples: Numba types those in C at each call, NamedTuples in Python
     with _blas_single_thread() if parallel else contextlib.nullcontext():
         cpu_jit(_flash_kernel, parallel=parallel, special=problem.special)(
@@ -237,6 +253,15 @@ def run_flash_cpu(problem, items=None):
             (kernel_view(out_rows), lse_rows, lse is not None),
         )
     return result, lse
+
+
+def _amx_tiles(q_format, layout, dtype):
+    """Whether the flash kernel multiplies its tiles (those of a multiple of 32 keys) on
+    AMX (:mod:`.amx`, :func:`_tile_step_amx`): bfloat16 queries and K/V (no scales),
+    float32 arithmetic, D a multiple of 32, on a CPU and system that offer the tiles."""
+    return (q_format == FORMAT_BFLOAT16 and layout.kv_format == FORMAT_BFLOAT16
+            and layout.k_scales.shape[0] == 0 and dtype == np.float32
+            and layout.head_dim % 32 == 0 and amx.available())
 
 
 # --------------------------------------------------------------------------------------
@@ -353,8 +378,7 @@ def _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k
     """
     q_buf, acc_buf, pv_buf, s_buf = scratch[0], scratch[1], scratch[2], scratch[3]
     row_state, k_tile, v_tile, visible = scratch[4], scratch[5], scratch[6], scratch[7]
-    program, additive, has_additive, functions = mask
-    per_head = functions[3]
+    functions = mask[3]
     m_run = row_state[0]
     l_run = row_state[1]
     alpha = row_state[2]
@@ -369,42 +393,11 @@ def _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k
     for i in range(rows):
         for j in range(nk):
             scores[i, j] = read_score(scores[i, j])
-    n_hm = additive.shape[1]
     h0 = kv_head * group
     if functions[2]:  # the score modifier
-        for r in range(r0, r1):
-            for hl in range(group):
-                i = (r - r0) * group + hl
-                for j in range(nk):
-                    scores[i, j] = modified_score(functions, scores[i, j], b, h0 + hl, pos0 + r,
-                                                  k0 + ka + j)
+        _modify_scores(scores, functions, r0, r1, group, b, h0, pos0, k0 + ka)
     if elementwise:
-        for r in range(r0, r1):
-            jlo, jhi, is_span = visible_span(program, pos0 + r, k0 + ka, nk)
-            if not is_span and not per_head:
-                _row_visibility(program, functions, b, h0, pos0 + r, k0 + ka, nk, visible)
-            for hl in range(group):
-                i = (r - r0) * group + hl
-                hm = h0 + hl if n_hm > 1 else 0
-                if not is_span and per_head:
-                    _row_visibility(program, functions, b, h0 + hl, pos0 + r, k0 + ka, nk,
-                                    visible)
-                if is_span:
-                    for j in range(jlo):
-                        scores[i, j] = -np.inf
-                    for j in range(jhi, nk):
-                        scores[i, j] = -np.inf
-                    if has_additive:
-                        for j in range(jlo, jhi):
-                            scores[i, j] = add_bias(
-                                scores[i, j], additive[bm, hm, row0 + r, k0 + ka + j])
-                    continue
-                for j in range(nk):
-                    if not visible[j]:
-                        scores[i, j] = -np.inf
-                    elif has_additive:
-                        scores[i, j] = add_bias(
-                            scores[i, j], additive[bm, hm, row0 + r, k0 + ka + j])
+        _mask_scores(scores, mask, r0, r1, pos0, k0 + ka, group, b, bm, h0, row0, visible)
     m_rows = m_run[i0: i0 + rows]
     l_rows = l_run[i0: i0 + rows]
     alpha_rows = alpha[:rows]
@@ -415,6 +408,128 @@ def _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k
                          row0 + r0, pv, visible)
     else:
         np.dot(scores, values, pv)
+    _add_to_acc(acc_buf, pv, alpha_rows, i0, rows)
+
+
+@body
+def _tile_step_amx(scratch, head_dim, width, kw, elementwise, pos0, k0, group, mask, b, bm,
+                   kv_head, row0, scale, sub_q):
+    """:func:`_tile_step` of all the item's ``width`` query positions over a tile of ``kw``
+    keys (a multiple of 32), its two products on AMX tiles (:mod:`.amx`): the stacked
+    rows' bfloat16 bits against the packed K and V of the tile (``scratch[9:12]``,
+    :func:`.amx.pack_key`, :func:`.amx.pack_value`), the weights split in two bfloat16
+    parts (``scratch[12:15]``).  The scale multiplies the sums.  ``sub_q`` positions at a
+    time (their scores stay in the L1/L2 caches from one pass to the next); with
+    ``elementwise`` each block that the mask cuts goes through :func:`_mask_scores` and
+    one it hides is skipped (the V of the tile must then be finite: a hidden NaN would
+    reach the rows through a weight of 0)."""
+    acc_buf, pv_buf, s_buf, row_state = scratch[1], scratch[2], scratch[3], scratch[4]
+    q_bits, k_pack, v_pack = scratch[9], scratch[10], scratch[11]
+    w_hi, w_lo, w_rest = scratch[12], scratch[13], scratch[14]
+    program, functions = mask[0], mask[3]
+    h0 = kv_head * group
+    for r0 in range(0, width, sub_q):
+        r1 = min(r0 + sub_q, width)
+        status = TILE_NONE
+        if elementwise:
+            status = mask_tile_status(program, functions, b, pos0 + r0, pos0 + r1 - 1, k0,
+                                      k0 + kw - 1)
+            if status == TILE_FULL:
+                continue
+        i0 = r0 * group
+        rows = (r1 - r0) * group
+        padded = (rows + 15) // 16 * 16  # (the item's last rows: zeros past its own)
+        tile_scores(q_bits[i0 * head_dim:], rows, head_dim, k_pack, kw, s_buf)
+        scores = s_buf[:rows * kw].reshape(rows, kw)
+        for i in range(rows):
+            for j in range(kw):
+                scores[i, j] = read_score(scores[i, j] * scale)
+        if functions[2]:  # the score modifier
+            _modify_scores(scores, functions, r0, r1, group, b, h0, pos0, k0)
+        if (elementwise and status != TILE_NONE) or mask[2]:
+            _mask_scores(scores, mask, r0, r1, pos0, k0, group, b, bm, h0, row0, scratch[7])
+        alpha_rows = row_state[2][i0:i0 + rows]
+        softmax_tile(scores, row_state[0][i0:i0 + rows], row_state[1][i0:i0 + rows],
+                     alpha_rows)
+        split_weights(s_buf, padded * kw, w_hi, w_lo, w_rest)
+        tile_values(w_hi, w_lo, rows, kw, v_pack, head_dim, pv_buf)
+        _add_to_acc(acc_buf, pv_buf[:rows * head_dim].reshape(rows, head_dim), alpha_rows,
+                    i0, rows)
+
+
+@body
+def _mask_scores(scores, mask, r0, r1, pos0, key0, group, b, bm, h0, row0, visible):
+    """The mask and the additive tensor over ``scores`` (rows stacked as :func:`_tile_step`
+    stacks them, column ``j`` for key ``key0 + j``): hidden pairs become ``-inf``.  As one
+    run of visible keys per row where the mask gives it (:func:`visible_span`), else key
+    by key through ``visible`` (scratch)."""
+    program, additive, has_additive, functions = mask
+    per_head = functions[3]
+    nk = scores.shape[1]
+    n_hm = additive.shape[1]
+    for r in range(r0, r1):
+        jlo, jhi, is_span = visible_span(program, pos0 + r, key0, nk)
+        if not is_span and not per_head:
+            _row_visibility(program, functions, b, h0, pos0 + r, key0, nk, visible)
+        for hl in range(group):
+            i = (r - r0) * group + hl
+            hm = h0 + hl if n_hm > 1 else 0
+            if not is_span and per_head:
+                _row_visibility(program, functions, b, h0 + hl, pos0 + r, key0, nk, visible)
+            if is_span:
+                for j in range(jlo):
+                    scores[i, j] = -np.inf
+                for j in range(jhi, nk):
+                    scores[i, j] = -np.inf
+                if has_additive:
+                    for j in range(jlo, jhi):
+                        scores[i, j] = add_bias(scores[i, j],
+                                                additive[bm, hm, row0 + r, key0 + j])
+                continue
+            for j in range(nk):
+                if not visible[j]:
+                    scores[i, j] = -np.inf
+                elif has_additive:
+                    scores[i, j] = add_bias(scores[i, j], additive[bm, hm, row0 + r, key0 + j])
+
+
+@body
+def _pack_tile(k_blocks, v_blocks, pages, slots, kw, kv_head, scratch):
+    """The tile's bfloat16 K and V rows of KV head ``kv_head`` packed for the AMX tiles
+    (``scratch[10]``, ``scratch[11]``: :func:`.amx.pack_key`, :func:`.amx.pack_value`),
+    asking for the rows :data:`GATHER_PREFETCH_KEYS` keys ahead; returns whether every V
+    element is finite."""
+    for j in range(min(GATHER_PREFETCH_KEYS, kw)):
+        prefetch_head(k_blocks, pages[j], slots[j], kv_head)
+        prefetch_head(v_blocks, pages[j], slots[j], kv_head)
+    finite = True
+    for j in range(kw):
+        ahead = j + GATHER_PREFETCH_KEYS
+        if ahead < kw:
+            prefetch_head(k_blocks, pages[ahead], slots[ahead], kv_head)
+            prefetch_head(v_blocks, pages[ahead], slots[ahead], kv_head)
+        pack_key(k_blocks[pages[j], slots[j], kv_head], j, scratch[10], kw)
+        finite &= pack_value(v_blocks[pages[j], slots[j], kv_head], j, scratch[11])
+    return finite
+
+
+@body
+def _modify_scores(scores, functions, r0, r1, group, b, h0, pos0, key0):
+    """The score modifier over ``scores``, row ``(r - r0) group + hl`` for position
+    ``pos0 + r`` of head ``h0 + hl``, column ``j`` for key ``key0 + j``."""
+    for r in range(r0, r1):
+        for hl in range(group):
+            i = (r - r0) * group + hl
+            for j in range(scores.shape[1]):
+                scores[i, j] = modified_score(functions, scores[i, j], b, h0 + hl, pos0 + r,
+                                              key0 + j)
+
+
+@body
+def _add_to_acc(acc_buf, pv, alpha_rows, i0, rows):
+    """``acc = alpha acc + P V`` (:func:`accumulate`) for the stacked rows ``[i0, i0 +
+    rows)``."""
+    head_dim = pv.shape[1]
     acc = acc_buf[i0 * head_dim: (i0 + rows) * head_dim].reshape(rows, head_dim)
     for i in range(rows):
         a = alpha_rows[i]
@@ -448,19 +563,24 @@ def _flash_kernel(queries, schedule, kv, mask, functions, softmax, tiling, outpu
     ``softmax`` are tuples of the fields of :class:`~numattn.core.problem.PagedKV`,
     :class:`~numattn.core.problem.MaskArgs` (but its ``functions``, apart: a parallel loop
     takes no tuple that holds a tuple) and :class:`~numattn.core.problem.SoftmaxArgs`;
-    ``tiling = (group, block_q, block_k, sub_q)``; ``outputs = (out [T, H, D], lse [T, H],
-    want_lse)``, ``out`` of the compute dtype or a kernel view of q's 16-bit dtype (rows
-    rounded as :func:`.simd.round_span` rounds).
+    ``tiling = (group, block_q, block_k, sub_q, use_amx)`` (``use_amx``:
+    :func:`_amx_tiles`); ``outputs = (out [T, H, D], lse [T, H], want_lse)``, ``out`` of
+    the compute dtype or a kernel view of q's 16-bit dtype (rows rounded as
+    :func:`.simd.round_span` rounds).
     """
     items, starts = schedule
     item_seq, item_head, item_row0, item_width = items[0], items[1], items[2], items[3]
-    group, block_q, block_k = tiling[0], tiling[1], tiling[2]
+    group, block_q, block_k, use_amx = tiling[0], tiling[1], tiling[2], tiling[4]
     head_dim = queries[0].shape[3]
     dtype = outputs[1].dtype
     widest = 0  # rows of the widest item (at most block_q): scratch for the stacked rows
     for item in range(item_width.shape[0]):
         widest = max(widest, item_width[item])
     max_rows = group * min(widest, block_q)
+    padded_rows = (max_rows + 15) // 16 * 16  # AMX tiles go 16 rows at a time
+    amx_rows = padded_rows if use_amx else 0
+    amx_keys = block_k if use_amx else 0
+    config = tile_configuration()
     for thread in prange(starts.shape[0] - 1):
         if starts[thread] == starts[thread + 1]:
             continue
@@ -468,18 +588,33 @@ def _flash_kernel(queries, schedule, kv, mask, functions, softmax, tiling, outpu
         # P V product, running max / sum / rescale factors, one tile of scores, K and V.
         q_buf = np.empty(max_rows * head_dim, dtype=dtype)
         acc_buf = np.empty(max_rows * head_dim, dtype=dtype)
-        pv_buf = np.empty(max_rows * head_dim, dtype=dtype)
-        s_buf = np.empty(max_rows * block_k, dtype=dtype)
+        # (on 64-byte lines: an AMX tile row that crosses two loads or stores several
+        # times slower)
+        pv_buf = aligned_empty(padded_rows * head_dim, outputs[1])
+        s_buf = aligned_empty(padded_rows * block_k, outputs[1])
         row_state = np.empty((3, max_rows), dtype=dtype)
         k_tile = np.empty(block_k * head_dim, dtype=dtype)
         v_tile = np.empty(block_k * head_dim, dtype=dtype)
         visible = np.empty(block_k, dtype=np.bool_)
         key_rows = np.empty((2, block_k), dtype=np.int64)  # page and slot of each key
-        scratch = (q_buf, acc_buf, pv_buf, s_buf, row_state, k_tile, v_tile, visible, key_rows)
+        # AMX: the stacked query rows' bits, packed K and V, the weights' two parts
+        bits = np.empty(0, dtype=np.uint16)
+        q_bits = aligned_empty(amx_rows * head_dim, bits)
+        k_pack = aligned_empty(amx_keys * head_dim, bits)
+        v_pack = aligned_empty(amx_keys * head_dim, bits)
+        w_hi = aligned_empty(amx_rows * amx_keys, bits)
+        w_lo = aligned_empty(amx_rows * amx_keys, bits)
+        w_rest = aligned_empty(amx_rows * amx_keys, np.empty(0, dtype=np.float32))
+        scratch = (q_buf, acc_buf, pv_buf, s_buf, row_state, k_tile, v_tile, visible, key_rows,
+                   q_bits, k_pack, v_pack, w_hi, w_lo, w_rest)
+        if use_amx:
+            tile_config(config.ctypes.data)
         for item in range(starts[thread], starts[thread + 1]):
             _run_item(queries, item_seq[item], item_head[item], item_row0[item],
                       item_width[item], kv, (mask[0], mask[1], mask[2], functions), softmax,
                       tiling, outputs, scratch)
+        if use_amx:
+            tile_release()
 
 
 @body
@@ -492,7 +627,7 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
     has_scales = k_scales.shape[0] > 0
     program, additive, has_additive, functions = mask
     scale, sinks, has_sink = softmax
-    group, block_k, sub_q = tiling[0], tiling[2], tiling[3]
+    group, block_k, sub_q, use_amx = tiling[0], tiling[2], tiling[3], tiling[4]
     out, lse, want_lse = outputs
     q_buf, acc_buf, row_state = scratch[0], scratch[1], scratch[4]
     k_tile, v_tile, key_rows = scratch[5], scratch[6], scratch[8]
@@ -513,6 +648,16 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
             widen_row(q, q_base + r, 0, h0 + hl, q_buf, base, q_format)
             for d in range(base, base + head_dim):
                 q_buf[d] *= scale
+    if use_amx:  # the rows as stored, then zeros to a multiple of 16 rows
+        q_bits = scratch[9]
+        for r in range(width):
+            for hl in range(group):
+                base = (r * group + hl) * head_dim
+                row = q[q_base + r, 0, h0 + hl]
+                for d in range(head_dim):
+                    q_bits[base + d] = np.uint16(row[d])  # (bfloat16 bits: as stored)
+        for i in range(rows * head_dim, (rows + 15) // 16 * 16 * head_dim):
+            q_bits[i] = 0
     for i in range(rows * head_dim):
         acc_buf[i] = 0
     m_run = row_state[0]
@@ -532,10 +677,16 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
             continue
         # Gather the tile's keys and values through the page table (each key's page and
         # slot found once), asking for the rows GATHER_PREFETCH_KEYS keys ahead.
+        whole = status == TILE_NONE and not has_additive
         pages = key_rows[0]
         slots = key_rows[1]
         for j in range(kw):
             pages[j], slots[j] = kv_page_slot(lookup_table, page_size, row_base, b, k0 + j)
+        if use_amx and kw % 32 == 0:
+            if _pack_tile(k_blocks, v_blocks, pages, slots, kw, kv_head, scratch) or whole:
+                _tile_step_amx(scratch, head_dim, width, kw, not whole, pos0, k0, group, mask,
+                               b, bm, kv_head, row0, scale, sub_q)
+                continue
         for j in range(min(GATHER_PREFETCH_KEYS, kw)):
             prefetch_head(k_blocks, pages[j], slots[j], kv_head)
             prefetch_head(v_blocks, pages[j], slots[j], kv_head)
@@ -559,7 +710,7 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
             for d in range(j * head_dim, (j + 1) * head_dim):
                 x = v_tile[d]
                 v_finite &= x - x == zero  # NaN for NaN and inf
-        if status == TILE_NONE and not has_additive:
+        if whole:
             _tile_step(scratch, head_dim, v_finite, first, width, first, kw, not elementwise,
                        pos0, k0, group, mask, b, bm, kv_head, row0)
             continue
