@@ -97,12 +97,14 @@ def body(func):
 class Specialization:
     """Bodies that replace others of the same name in a copy of the kernels: how functions
     written by users (:class:`numattn.masks.FunctionMask`, :class:`numattn.ScoreMod`) are
-    compiled into every kernel.
+    compiled into every kernel, and how the flash kernel binds its AMX tiles
+    (:func:`numattn.kernels.cpu.flash._with_amx`).
 
     ``overrides`` maps a global name that shared bodies call (``_function_visible``,
-    ``_score_mod``) to the body that replaces it; ``digest`` names the copy (and its disk
-    cache entries).  A kernel bound with a specialization rebinds only the bodies that reach
-    one of the names: the others are shared with the plain kernels.
+    ``_score_mod``, ``_tile_on_amx``) to the body that replaces it; ``digest`` names the
+    copy (and its disk cache entries).  A kernel bound with a specialization rebinds only
+    the bodies that reach one of the names (a replacing body too): the others are shared
+    with the plain kernels.
     """
 
     def __init__(self, overrides, digest):
@@ -134,7 +136,9 @@ def _rebind(func, target, special=None):
     bind = cpu_jit if target == "cpu" else cuda_device
     for name in func.__code__.co_names:
         if special is not None and name in special.names:
-            scope[name] = bind(special.overrides[name])
+            override = special.overrides[name]  # (itself specialized where it reaches one)
+            scope[name] = (bind(override, special=special)
+                           if _reaches(override, special.names) else bind(override))
             continue
         callee = scope.get(name)
         if getattr(callee, "_numattn_body", False):

@@ -31,13 +31,14 @@ row once for all heads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 
 import numpy as np
 
 from ...core.dtypes import FORMAT_BFLOAT16, kernel_view, storage_format
-from ...core.jit import body, cpu_jit, prange
+from ...core.jit import Specialization, body, cpu_jit, prange
 from ...core.masks import TILE_FULL, TILE_NONE, TILE_PARTIAL
 from ...core.validate import row_counts
 from ..shared.masks import add_bias, mask_tile_status, mask_visible, visible_span
@@ -242,11 +243,12 @@ def run_flash_cpu(problem, items=None):
     # the queries in their stored type, a row per token as widen_row reads K/V rows
     q_rows = kernel_view(q).reshape(total, 1, num_heads, head_dim)
     q_format = storage_format(q.dtype)
-    tiling = (group, config.block_q, config.block_k, _SUB_Q,
-              _amx_tiles(q_format, layout, dtype))
+    use_amx = _amx_tiles(q_format, layout, dtype)
+    tiling = (group, config.block_q, config.block_k, _SUB_Q, use_amx)
+    special = _with_amx(problem.special) if use_amx else problem.special
     # the parts go as plain tuples: Numba types those in C at each call, NamedTuples in Python
     with _blas_single_thread() if parallel else contextlib.nullcontext():
-        cpu_jit(_flash_kernel, parallel=parallel, special=problem.special)(
+        cpu_jit(_flash_kernel, parallel=parallel, special=special)(
             (q_rows, *queries[1:3], q_format), schedule, layout[:9], tuple(mask[:3]),
             mask.functions,
             tuple(softmax), tiling,
@@ -262,6 +264,18 @@ def _amx_tiles(q_format, layout, dtype):
     return (q_format == FORMAT_BFLOAT16 and layout.kv_format == FORMAT_BFLOAT16
             and layout.k_scales.shape[0] == 0 and dtype == np.float32
             and layout.head_dim % 32 == 0 and amx.available())
+
+
+@functools.lru_cache(maxsize=64)
+def _with_amx(special):
+    """``special`` (the call's functions, or ``None``) with :func:`_tile_on_amx` bound to
+    :func:`_tile_on_amx_tiles`: the kernels that run tiles on AMX.  The others keep the
+    stand-in, so that they compile none of the AMX code (5-7 s of a first flash or cross
+    call).  One object per ``special``, as the compiled kernels are cached by it."""
+    overrides = {} if special is None else dict(special.overrides)
+    overrides["_tile_on_amx"] = _tile_on_amx_tiles
+    digest = "amx" if special is None else special.digest + "_amx"
+    return Specialization(overrides, digest)
 
 
 # --------------------------------------------------------------------------------------
@@ -409,6 +423,27 @@ def _tile_step(scratch, head_dim, v_finite, r0, r1, ka, kb, elementwise, pos0, k
     else:
         np.dot(scores, values, pv)
     _add_to_acc(acc_buf, pv, alpha_rows, i0, rows)
+
+
+@body
+def _tile_on_amx(k_blocks, v_blocks, pages, slots, kw, whole, scratch, width, pos0, k0, group,
+                 mask, b, bm, kv_head, row0, scale, sub_q):
+    """Whether a tile went on AMX: never in the kernels bound without AMX (a stand-in that
+    compiles to nothing), :func:`_tile_on_amx_tiles` in those :func:`_with_amx` binds."""
+    return False
+
+
+@body
+def _tile_on_amx_tiles(k_blocks, v_blocks, pages, slots, kw, whole, scratch, width, pos0, k0,
+                       group, mask, b, bm, kv_head, row0, scale, sub_q):
+    """A tile of ``kw`` keys (a multiple of 32) on AMX: K and V packed
+    (:func:`_pack_tile`), then :func:`_tile_step_amx`, unless the mask cuts the tile and
+    its V holds a NaN or inf (then ``False``: the vector path leaves hidden keys out)."""
+    if _pack_tile(k_blocks, v_blocks, pages, slots, kw, kv_head, scratch) or whole:
+        _tile_step_amx(scratch, k_blocks.shape[3], width, kw, not whole, pos0, k0, group,
+                       mask, b, bm, kv_head, row0, scale, sub_q)
+        return True
+    return False
 
 
 @body
@@ -682,11 +717,10 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
         slots = key_rows[1]
         for j in range(kw):
             pages[j], slots[j] = kv_page_slot(lookup_table, page_size, row_base, b, k0 + j)
-        if use_amx and kw % 32 == 0:
-            if _pack_tile(k_blocks, v_blocks, pages, slots, kw, kv_head, scratch) or whole:
-                _tile_step_amx(scratch, head_dim, width, kw, not whole, pos0, k0, group, mask,
-                               b, bm, kv_head, row0, scale, sub_q)
-                continue
+        if use_amx and kw % 32 == 0 and _tile_on_amx(
+                k_blocks, v_blocks, pages, slots, kw, whole, scratch, width, pos0, k0, group,
+                mask, b, bm, kv_head, row0, scale, sub_q):
+            continue
         for j in range(min(GATHER_PREFETCH_KEYS, kw)):
             prefetch_head(k_blocks, pages[j], slots[j], kv_head)
             prefetch_head(v_blocks, pages[j], slots[j], kv_head)
