@@ -193,11 +193,7 @@ def tile_scores(q_bits, rows, head_dim, k_pack, num_keys, scores_flat):
     for r in range(0, rows, 16):
         for g in range(0, key_groups, 4):
             wide = key_groups - g >= 4  # four groups of keys, else two
-            tile_zero(0)
-            tile_zero(1)
-            if wide:
-                tile_zero(2)
-                tile_zero(3)
+            _zero_accumulators(wide)
             for c in range(chunks):
                 tile_load(4, q_base + r * q_stride + 64 * c, q_stride)
                 k_at = k_base + (c * key_groups + g) * block
@@ -210,12 +206,7 @@ def tile_scores(q_bits, rows, head_dim, k_pack, num_keys, scores_flat):
                     tile_dot(2, 4, 6)
                     tile_load(7, k_at + 3 * block, 64)
                     tile_dot(3, 4, 7)
-            s_at = s_base + r * s_stride + 64 * g
-            tile_store(0, s_at, s_stride)
-            tile_store(1, s_at + 64, s_stride)
-            if wide:
-                tile_store(2, s_at + 128, s_stride)
-                tile_store(3, s_at + 192, s_stride)
+            _store_accumulators(s_base + r * s_stride + 64 * g, s_stride, wide)
 
 
 @body
@@ -260,11 +251,7 @@ def tile_values(hi, lo, rows, num_keys, v_pack, head_dim, pv_flat):
     for r in range(0, rows, 16):
         for e in range(0, element_groups, 4):
             wide = element_groups - e >= 4
-            tile_zero(0)
-            tile_zero(1)
-            if wide:
-                tile_zero(2)
-                tile_zero(3)
+            _zero_accumulators(wide)
             for c in range(chunks):
                 tile_load(4, hi_base + r * w_stride + 64 * c, w_stride)
                 tile_load(5, lo_base + r * w_stride + 64 * c, w_stride)
@@ -282,12 +269,28 @@ def tile_values(hi, lo, rows, num_keys, v_pack, head_dim, pv_flat):
                     tile_load(7, v_at + 3 * block, 64)
                     tile_dot(3, 4, 7)
                     tile_dot(3, 5, 7)
-            pv_at = pv_base + r * pv_stride + 64 * e
-            tile_store(0, pv_at, pv_stride)
-            tile_store(1, pv_at + 64, pv_stride)
-            if wide:
-                tile_store(2, pv_at + 128, pv_stride)
-                tile_store(3, pv_at + 192, pv_stride)
+            _store_accumulators(pv_base + r * pv_stride + 64 * e, pv_stride, wide)
+
+
+@body
+def _zero_accumulators(wide):
+    """Zero accumulator tiles 0 and 1, and 2 and 3 if ``wide``."""
+    tile_zero(0)
+    tile_zero(1)
+    if wide:
+        tile_zero(2)
+        tile_zero(3)
+
+
+@body
+def _store_accumulators(address, stride, wide):
+    """Store accumulator tiles 0, 1 (and 2, 3 if ``wide``) side by side from ``address``:
+    16 float32 columns each, rows ``stride`` bytes apart."""
+    tile_store(0, address, stride)
+    tile_store(1, address + 64, stride)
+    if wide:
+        tile_store(2, address + 128, stride)
+        tile_store(3, address + 192, stride)
 
 
 _REGISTERED = []
