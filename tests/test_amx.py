@@ -24,7 +24,6 @@ from numattn import (
     softcap,
 )
 from numattn.core import dtypes
-from numattn.core.jit import cpu_jit
 from numattn.kernels.cpu import amx, flash
 
 from .test_functions import head_window
@@ -97,20 +96,6 @@ def test_packed_layouts(rng):
     assert not amx.pack_value(values[5], 5, v_pack)
     values[5, 7] = 0xFF80  # -inf
     assert not amx.pack_value(values[5], 5, v_pack)
-
-
-def test_weights_split_in_two_bfloat16_parts(rng):
-    """hi + lo holds a weight to 16 significant bits (both parts rounded to nearest)."""
-    count = 4096
-    weights = np.concatenate([rng.random(count - 4), [0.0, 1.0, 1e-30, 0.5]]).astype(
-        np.float32)
-    hi, lo = np.empty(count, np.uint16), np.empty(count, np.uint16)
-    cpu_jit(amx.split_weights)(weights, count, hi, lo, np.empty(count, np.float32))
-    as_float = [x.view(BF16).astype(np.float64) for x in (hi, lo)]
-    np.testing.assert_array_equal(as_float[0], weights.astype(BF16).astype(np.float64))
-    error = np.abs(as_float[0] + as_float[1] - weights)
-    assert (error <= 2.0**-16 * weights).all()
-    assert np.abs(as_float[0] - weights).max() > 2.0**-12  # (the low part is needed)
 
 
 # --------------------------------------------------------------------------------------

@@ -445,6 +445,76 @@ def test_exp_row(dtype, rng):
         compiled_row_functions(64)[1](randn(rng, 8, np.float32), 4, 0.0)
 
 
+@functools.cache
+def compiled_exp_split_row(converts_bfloat16):
+    """``exp_split_row`` (sixteen lanes whatever the width), jitted."""
+    split = _simd.build_intrinsics(64, converts_bfloat16=converts_bfloat16)["exp_split_row"]
+    return numba.njit(lambda row, n, m, scale, raw, hi, lo, start: split(
+        row, n, m, scale, raw, hi, lo, start))
+
+
+#: exp_split_row's roundings: in integer arithmetic, and with AVX512-BF16's instruction
+#: where this machine has it.
+SPLIT_ROUNDINGS = [False] + [True] * _simd.target_converts_bfloat16()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("raw", [False, True])
+@pytest.mark.parametrize("converts_bfloat16", SPLIT_ROUNDINGS)
+def test_exp_split_row(dtype, raw, converts_bfloat16, rng):
+    """The weights of :func:`test_exp_row` (of ``scale`` times the row, ``-inf`` made NaN,
+    with ``raw``) as two bfloat16 parts: ``hi`` the weight rounded to nearest, ``lo`` the
+    rest rounded to nearest (bitwise as ``ml_dtypes`` rounds, values below float32's normal
+    range as zero), ``hi + lo`` within 2^-16 of the weight; the weights and their sum
+    bitwise :func:`.simd.exp_row`'s; the row and the parts' other elements untouched;
+    compiled (either rounding) and uncompiled alike."""
+    bfloat16 = dtypes.ml_dtype("bfloat16")
+    tiny = np.finfo(np.float32).tiny
+    _, compiled_exp_row = compiled_row_functions(64)
+    scale = dtype(0.125) if raw else dtype(1)
+    start = 3
+    for n in [0, 1, 15, 16, 17, 40, 128, 1000]:
+        for special in [False, True]:
+            row = softmax_row(rng, n, dtype, special)
+            if special and n >= 2:
+                row[n - 1] = np.nan
+            scores = row.copy()
+            if raw:
+                scores *= scale
+                scores[scores == -np.inf] = np.nan
+            finite = scores[:n][~np.isnan(scores[:n])]
+            m = finite.max() if finite.size else dtype(0)
+            for run, exp_row in [(compiled_exp_split_row(converts_bfloat16), compiled_exp_row),
+                                 (_simd.exp_split_row, _simd.exp_row)]:
+                weights = scores.copy()
+                total = exp_row(weights, n, dtype(m))
+                weights = weights[:n].astype(np.float32)
+                hi_expected = np.where(weights < tiny, 0, weights).astype(bfloat16)
+                rest = weights - hi_expected.astype(np.float32)
+                lo_expected = np.where(np.abs(rest) < tiny, 0 * rest, rest).astype(bfloat16)
+                got_row = row.copy()
+                hi = np.full(n + 6, 0xABCD, np.uint16)
+                lo = np.full(n + 6, 0xABCD, np.uint16)
+                got = run(got_row, n, dtype(m), scale, raw, hi, lo, start)
+                assert dtype(got).tobytes() == dtype(total).tobytes(), (n, run)
+                assert got_row.tobytes() == row.tobytes()
+                assert (hi[:start] == 0xABCD).all() and (hi[start + n:] == 0xABCD).all()
+                assert (lo[:start] == 0xABCD).all() and (lo[start + n:] == 0xABCD).all()
+                parts = [x[start:start + n].view(bfloat16) for x in (hi, lo)]
+                np.testing.assert_array_equal(parts[0].view(np.uint16),
+                                              hi_expected.view(np.uint16))
+                np.testing.assert_array_equal(np.isnan(parts[1]), np.isnan(lo_expected))
+                ok = ~np.isnan(lo_expected)
+                np.testing.assert_array_equal(parts[1][ok].view(np.uint16),
+                                              lo_expected[ok].view(np.uint16))
+                split = parts[0].astype(np.float64) + parts[1].astype(np.float64)
+                error = np.abs(split - weights)
+                assert (error <= np.maximum(2.0**-16 * weights, tiny))[~np.isnan(weights)].all()
+    with pytest.raises(numba.core.errors.TypingError, match="uint16"):
+        compiled_exp_split_row(False)(randn(rng, 8, np.float32), 4, 0.0, 1.0, False,
+                                 np.zeros(8, np.int16), np.zeros(8, np.uint16), 0)
+
+
 def test_values_tile_fits():
     """Up to TILE_VECTORS vectors per row with 32 registers, half as many with 16."""
     assert _simd.values_tile_fits(64, 4, 64, 32) and not _simd.values_tile_fits(65, 4, 64, 32)

@@ -10,7 +10,7 @@ multiple of 32) with ``tdpbf16ps``: 16 x 16 float32 sums of products of bfloat16
   numbers are exact in float32 and the sums are float32's, so the arithmetic stays the
   float32 the contract asks for (in another order of the sums).
 * ``P V``: the weights split into two bfloat16 parts, ``P = hi + lo`` to 16 significant
-  bits (:func:`split_weights`), each multiplied into V packed in pairs of keys
+  bits (:func:`.simd.exp_split_row`), each multiplied into V packed in pairs of keys
   (:func:`pack_value`): a weight's error is at most ``2^-17`` of it, where rounding the
   weights to bfloat16 (as other libraries do) would leave ``2^-9``.
 
@@ -210,34 +210,9 @@ def tile_scores(q_bits, rows, head_dim, k_pack, num_keys, scores_flat):
 
 
 @body
-def split_weights(weights_flat, count, hi, lo, rest):
-    """``weights = hi + lo``: the first ``count`` float32 weights as two bfloat16 parts
-    (bits), each rounded to the nearest, ties to even (a NaN stays NaN); ``rest`` is
-    float32 scratch of as many elements.  (The kernels compile it for float64 too, where
-    it never runs.)"""
-    bits = weights_flat.view(np.uint32)
-    rest_bits = rest.view(np.uint32)
-    for i in range(count):
-        upper = _rounded_upper(bits[i])
-        hi[i] = upper
-        rest_bits[i] = upper << 16
-    for i in range(count):
-        rest[i] = weights_flat[i] - rest[i]
-    for i in range(count):
-        lo[i] = _rounded_upper(rest_bits[i])
-
-
-@body
-def _rounded_upper(x):
-    """The bfloat16 bits nearest the float32 of bits ``x`` (ties to even; NaN as 0x7FC0)."""
-    nearest = (x + 0x7FFF + ((x >> 16) & 1)) >> 16
-    return 0x7FC0 if x & 0x7FFFFFFF > 0x7F800000 else nearest
-
-
-@body
 def tile_values(hi, lo, rows, num_keys, v_pack, head_dim, pv_flat):
     """``pv[r] = sum_n (hi + lo)[r, n] v[n]`` for the first ``rows`` rounded up to 16 rows
-    of the split weights ``[rows, num_keys]`` (:func:`split_weights`) and the V of ``v_pack``
+    of the split weights ``[rows, num_keys]`` (:func:`.simd.exp_split_row`) and the V of ``v_pack``
     (:func:`pack_value`), into ``pv_flat`` as ``[rows, D]``."""
     element_groups = head_dim // 16
     chunks = num_keys // 32

@@ -49,7 +49,6 @@ from . import amx
 from .amx import (
     pack_key,
     pack_value,
-    split_weights,
     tile_config,
     tile_configuration,
     tile_release,
@@ -60,7 +59,7 @@ from .convert import widened
 from .function_tiles import with_tile_tables
 from .schedule import zigzag_schedule
 from .simd import prefetch_head, round_span, widen_row
-from .softmax import softmax_tile
+from .softmax import softmax_split_tile, softmax_tile
 from .split_k import aligned_empty, run_multi_query_cpu
 
 _BLAS_LIBRARIES = None  # threadpoolctl's controllers of the BLAS libraries loaded
@@ -453,14 +452,16 @@ def _tile_step_amx(scratch, head_dim, width, kw, elementwise, pos0, k0, group, m
     keys (a multiple of 32), its two products on AMX tiles (:mod:`.amx`): the stacked
     rows' bfloat16 bits against the packed K and V of the tile (``scratch[9:12]``,
     :func:`.amx.pack_key`, :func:`.amx.pack_value`), the weights split in two bfloat16
-    parts (``scratch[12:15]``).  The scale multiplies the sums.  ``sub_q`` positions at a
-    time (their scores stay in the L1/L2 caches from one pass to the next); with
-    ``elementwise`` each block that the mask cuts goes through :func:`_mask_scores` and
-    one it hides is skipped (the V of the tile must then be finite: a hidden NaN would
-    reach the rows through a weight of 0)."""
+    parts (``scratch[12:14]``, :func:`.softmax.softmax_split_tile`).  The scale multiplies
+    the sums, in the softmax's pass where no mask, additive tensor or score modifier comes
+    in between (and the scale is positive).  ``sub_q`` positions at a time (their scores
+    stay in the L1/L2 caches from one pass to the next); with ``elementwise`` each block
+    that the mask cuts goes through :func:`_mask_scores` and one it hides is skipped (the
+    V of the tile must then be finite: a hidden NaN would reach the rows through a weight
+    of 0)."""
     acc_buf, pv_buf, s_buf, row_state = scratch[1], scratch[2], scratch[3], scratch[4]
     q_bits, k_pack, v_pack = scratch[9], scratch[10], scratch[11]
-    w_hi, w_lo, w_rest = scratch[12], scratch[13], scratch[14]
+    w_hi, w_lo = scratch[12], scratch[13]
     program, functions = mask[0], mask[3]
     h0 = kv_head * group
     for r0 in range(0, width, sub_q):
@@ -473,20 +474,25 @@ def _tile_step_amx(scratch, head_dim, width, kw, elementwise, pos0, k0, group, m
                 continue
         i0 = r0 * group
         rows = (r1 - r0) * group
-        padded = (rows + 15) // 16 * 16  # (the item's last rows: zeros past its own)
         tile_scores(q_bits[i0 * head_dim:], rows, head_dim, k_pack, kw, s_buf)
         scores = s_buf[:rows * kw].reshape(rows, kw)
-        for i in range(rows):
-            for j in range(kw):
-                scores[i, j] = read_score(scores[i, j] * scale)
-        if functions[2]:  # the score modifier
-            _modify_scores(scores, functions, r0, r1, group, b, h0, pos0, k0)
-        if (elementwise and status != TILE_NONE) or mask[2]:
-            _mask_scores(scores, mask, r0, r1, pos0, k0, group, b, bm, h0, row0, scratch[7])
+        masked = (elementwise and status != TILE_NONE) or mask[2]
+        raw = not (masked or functions[2]) and scale > 0
+        if not raw:
+            for i in range(rows):
+                for j in range(kw):
+                    scores[i, j] = read_score(scores[i, j] * scale)
+            if functions[2]:  # the score modifier
+                _modify_scores(scores, functions, r0, r1, group, b, h0, pos0, k0)
+            if masked:
+                _mask_scores(scores, mask, r0, r1, pos0, k0, group, b, bm, h0, row0,
+                             scratch[7])
         alpha_rows = row_state[2][i0:i0 + rows]
-        softmax_tile(scores, row_state[0][i0:i0 + rows], row_state[1][i0:i0 + rows],
-                     alpha_rows)
-        split_weights(s_buf, padded * kw, w_hi, w_lo, w_rest)
+        softmax_split_tile(scores, rows, scale, raw, row_state[0][i0:i0 + rows],
+                           row_state[1][i0:i0 + rows], alpha_rows, w_hi, w_lo)
+        for j in range(rows * kw, (rows + 15) // 16 * 16 * kw):  # the 16-row tiles' rest
+            w_hi[j] = 0
+            w_lo[j] = 0
         tile_values(w_hi, w_lo, rows, kw, v_pack, head_dim, pv_buf)
         _add_to_acc(acc_buf, pv_buf[:rows * head_dim].reshape(rows, head_dim), alpha_rows,
                     i0, rows)
@@ -639,9 +645,8 @@ def _flash_kernel(queries, schedule, kv, mask, functions, softmax, tiling, outpu
         v_pack = aligned_empty(amx_keys * head_dim, bits)
         w_hi = aligned_empty(amx_rows * amx_keys, bits)
         w_lo = aligned_empty(amx_rows * amx_keys, bits)
-        w_rest = aligned_empty(amx_rows * amx_keys, np.empty(0, dtype=np.float32))
         scratch = (q_buf, acc_buf, pv_buf, s_buf, row_state, k_tile, v_tile, visible, key_rows,
-                   q_bits, k_pack, v_pack, w_hi, w_lo, w_rest)
+                   q_bits, k_pack, v_pack, w_hi, w_lo)
         if use_amx:
             tile_config(config.ctypes.data)
         for item in range(starts[thread], starts[thread + 1]):

@@ -23,7 +23,7 @@ each with overhead that these versions do not have:
   loads and stores them every four keys; with short rows those loads and stores, not the
   multiply-adds, took most of the time.
 
-Two more serve the online softmax of decode and flash attention, in vectors of sixteen lanes
+Three more serve the online softmax of decode and flash attention, in vectors of sixteen lanes
 whatever the machine:
 
 * :func:`row_max`: the largest score of a row (NaN if it holds one), as the largest of
@@ -34,6 +34,10 @@ whatever the machine:
   Numba's loop vectoriser sums a row only with the ``reassoc`` fast-math flag, which
   numattn does not use (see :data:`numattn.core.jit.FASTMATH`); the sum is then the same on
   every machine too.
+* :func:`exp_split_row`: the same weights written as two bfloat16 parts for the AMX tiles
+  (:mod:`.amx`), the row's scale and the split done in the same pass (rounded by
+  AVX512-BF16's ``vcvtneps2bf16`` where the target has it: "Flash prefill on AMX tiles"
+  in docs/performance.rst).
 
 Written as plain loops, both passes got 256-bit vectors from LLVM on AVX-512 machines
 whose tuning prefers those (measured: "Softmax in explicit vector code" in
@@ -45,7 +49,7 @@ bfloat16 or float16, to the nearest, ties to even).
 
 Each function is plain NumPy here (its definition, and what runs uncompiled); :func:`register`
 gives it its compiled form (LLVM vectors as wide as the target's registers: 64 bytes with
-AVX-512, 32 with AVX, else 16; :func:`row_max` and :func:`exp_row` in sixteen lanes), and
+AVX-512, 32 with AVX, else 16; the softmax's three in sixteen lanes), and
 :func:`prefetch_row` and :func:`prefetch_head` their ``llvm.prefetch``; the LLVM code of
 each is generated in :mod:`.simd_llvm`.
 :func:`numattn.core.jit.cpu_jit` calls :func:`register` before it binds any body (Numba is
@@ -65,6 +69,7 @@ from ...core.jit import before_cpu_compile
 
 __all__ = [
     "exp_row",
+    "exp_split_row",
     "lane_sum",
     "prefetch_head",
     "prefetch_row",
@@ -201,6 +206,36 @@ def exp_row(row, n, m):
         scale = np.where(x < low, dtype(0), scale)
         row[:n] = np.where(np.isnan(x), x, y) * scale
     return lane_sum(row, n)
+
+
+def exp_split_row(row, n, m, scale, raw, hi, lo, start):
+    """The weights :func:`exp_row` makes of ``row[:n]`` (left as it is), as two bfloat16
+    parts (bits) ``hi[start + j] + lo[start + j]``, each rounded to the nearest, ties to
+    even, from a value that counts as zero below float32's normal range (as AVX512-BF16's
+    ``vcvtneps2bf16`` rounds, which it is where the target has it): 16 significant bits,
+    and the parts' errors below ``2^-126`` (as the AMX tiles read bfloat16, with such
+    numbers as zero).  Returns their sum, as
+    :func:`exp_row` sums them.  With ``raw`` the row holds sums ``q . k`` not yet scaled,
+    and the scores are :func:`~numattn.kernels.shared.scores.read_score` of ``scale`` times
+    them (the AMX tiles' scores, read in the same pass).  ``m`` is the scores' maximum, as
+    :func:`exp_row` takes it."""
+    from ...core.dtypes import ml_dtype
+
+    bfloat16 = ml_dtype("bfloat16")
+    x = row[:n].copy()
+    if raw:
+        x *= scale
+        x[x == -np.inf] = np.nan
+    total = exp_row(x, n, m)
+    def rounded(values):
+        tiny = np.abs(values) < np.finfo(np.float32).tiny
+        return np.where(tiny, np.copysign(np.float32(0), values), values).astype(bfloat16)
+
+    x = x.astype(np.float32)
+    upper = rounded(x)
+    hi[start:start + n] = upper.view(np.uint16)
+    lo[start:start + n] = rounded(x - upper.astype(np.float32)).view(np.uint16)
+    return total
 
 
 def prefetch_row(blocks, page, slot, num_lines):
@@ -477,10 +512,21 @@ def _forward_exp_row(intrinsic):
     return typer
 
 
+def _forward_exp_split_row(intrinsic):
+    def typer(row, n, m, scale, raw, hi, lo, start):
+        def impl(row, n, m, scale, raw, hi, lo, start):
+            return intrinsic(row, n, m, scale, raw, hi, lo, start)
+
+        return impl
+
+    return typer
+
+
 #: The forwarder of each function, by its name.
 _FORWARDERS = {
     "prefetch_row": _forward_prefetch, "prefetch_head": _forward_prefetch_head,
-    "row_max": _forward_row, "exp_row": _forward_exp_row, "widen_row": _forward_widen_row,
+    "row_max": _forward_row, "exp_row": _forward_exp_row,
+    "exp_split_row": _forward_exp_split_row, "widen_row": _forward_widen_row,
     "widen_span": _forward_widen_span, "round_span": _forward_round_span,
     **{f"scores_block_{rows}": _forward_scores for rows in BLOCK_ROWS},
     **{f"values_block_{rows}": _forward_values for rows in BLOCK_ROWS},
@@ -533,17 +579,32 @@ def stream_prefetch_bytes():
     return 0 if name.startswith(AMD_CPU_PREFIXES) else STREAM_PREFETCH_BYTES
 
 
-def build_intrinsics(vector_bytes, prefetch_bytes=None, vector_registers=None):
+@functools.cache
+def target_converts_bfloat16():
+    """Whether the target has AVX512-BF16's conversions (``vcvtneps2bf16``): every CPU
+    with AMX does.  Follows ``NUMBA_CPU_FEATURES`` when it is set."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    features = config.CPU_FEATURES
+    if features is None:
+        features = llvm.get_host_cpu_features().flatten()
+    return "+avx512bf16" in features.split(",")
+
+
+def build_intrinsics(vector_bytes, prefetch_bytes=None, vector_registers=None,
+                     converts_bfloat16=None):
     """The Numba intrinsics of this module's functions, for vectors of ``vector_bytes``
     (their LLVM code is in :mod:`.simd_llvm`).
 
     ``prefetch_bytes`` (default :func:`stream_prefetch_bytes`) is how far ahead of its
     loads of K and V rows each block function asks for lines, 0 for not at all;
     ``vector_registers`` (default :func:`target_vector_registers`) how many vector
-    registers the blocks may keep busy (:func:`keys_per_pass`, :func:`tile_vectors`).
-    Returns ``{function name: intrinsic}``.  (:func:`register` installs them; tests also
-    build them for other machines' widths and register counts, with and without the
-    requests.)
+    registers the blocks may keep busy (:func:`keys_per_pass`, :func:`tile_vectors`);
+    ``converts_bfloat16`` (default :func:`target_converts_bfloat16`) whether
+    :func:`exp_split_row` rounds with AVX512-BF16's instruction.  Returns ``{function
+    name: intrinsic}``.  (:func:`register` installs them; tests also build them for other
+    machines' widths, register counts and roundings, with and without the requests.)
     """
     from . import simd_llvm
 
@@ -551,10 +612,17 @@ def build_intrinsics(vector_bytes, prefetch_bytes=None, vector_registers=None):
         prefetch_bytes = stream_prefetch_bytes()
     if vector_registers is None:
         vector_registers = target_vector_registers()
+    if converts_bfloat16 is None:
+        converts_bfloat16 = target_converts_bfloat16()
+    if converts_bfloat16:  # (its inline assembly)
+        import llvmlite.binding as llvm
+
+        llvm.initialize_native_asmparser()
     built = {"prefetch_row": simd_llvm.prefetch_row_intrinsic(),
              "prefetch_head": simd_llvm.prefetch_head_intrinsic(),
              "row_max": simd_llvm.row_max_intrinsic(),
              "exp_row": simd_llvm.exp_row_intrinsic(),
+             "exp_split_row": simd_llvm.exp_split_row_intrinsic(converts_bfloat16),
              "widen_row": simd_llvm.widen_row_intrinsic(vector_bytes),
              "widen_span": simd_llvm.widen_span_intrinsic(vector_bytes),
              "round_span": simd_llvm.round_span_intrinsic(vector_bytes)}

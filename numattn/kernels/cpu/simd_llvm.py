@@ -592,6 +592,90 @@ def exp_row_intrinsic():
     return exp_row
 
 
+def exp_split_row_intrinsic(converts_bfloat16):
+    """The intrinsic of :func:`.simd.exp_split_row`: one pass over the row (the unscaled
+    sums read with the scale in a loop of their own, chosen once per call).  With
+    ``converts_bfloat16`` (AVX512-BF16) the parts are rounded by ``vcvtneps2bf16`` (one
+    instruction, where :func:`bfloat16_bits` takes eleven), else by :func:`bfloat16_bits`
+    of the values with those below float32's normal range made zero, as the instruction
+    reads them."""
+
+    def split_part_of(builder, x):
+        if converts_bfloat16:
+            fnty = ir.FunctionType(ir.VectorType(I16, SUM_LANES), [x.type])
+            return builder.asm(fnty, "vcvtneps2bf16 $1, $0", "=v,v", [x], False)
+        i32 = ir.VectorType(I32, SUM_LANES)
+        u = builder.bitcast(x, i32)
+        tiny = builder.icmp_unsigned("<", builder.and_(u, splat_int(I32, SUM_LANES, 0x7FFFFFFF)),
+                                     splat_int(I32, SUM_LANES, 0x00800000))
+        sign = builder.and_(u, splat_int(I32, SUM_LANES, 0x80000000))
+        return bfloat16_bits(builder, builder.bitcast(builder.select(tiny, sign, u), x.type))
+
+    @intrinsic
+    def exp_split_row(typingctx, row, n, m, scale, raw, hi, lo, start):
+        for array in (row, hi, lo):
+            check_row(array, "exp_split_row")
+        if (row.dtype not in (types.float32, types.float64)
+                or not isinstance(m, types.Float) or not isinstance(scale, types.Float)
+                or not isinstance(raw, types.Boolean)
+                or hi.dtype != types.uint16 or lo.dtype != types.uint16):
+            raise errors.TypingError("exp_split_row takes a float row, a float m and scale, "
+                                     "a boolean and two uint16 arrays")
+        sig = row.dtype(row, n, m, scale, raw, hi, lo, start)
+
+        def codegen(context, builder, signature, args):
+            row_v, n_v, m_v, scale_v, raw_v, hi_v, lo_v, start_v = args
+            row_ty, hi_ty, lo_ty = signature.args[0], signature.args[5], signature.args[6]
+            vec = Vectors(context, builder, row_ty.dtype, lanes=SUM_LANES)
+            bits = Vectors(context, builder, types.uint16, lanes=SUM_LANES)
+            float32 = ir.VectorType(ir.FloatType(), SUM_LANES)
+            source = row_pointer(context, builder, row_ty, row_v, [const(0)])
+            hi_at = row_pointer(context, builder, hi_ty, hi_v, [start_v])
+            lo_at = row_pointer(context, builder, lo_ty, lo_v, [start_v])
+            m, scale = (vec.splat(context.cast(builder, value, ty, row_ty.dtype))
+                        for value, ty in zip((m_v, scale_v), signature.args[2:4]))
+            minus_inf = ir.Constant(vec.type, [-np.inf] * SUM_LANES)
+            nan = ir.Constant(vec.type, [np.nan] * SUM_LANES)
+            lanes = cgutils.alloca_once_value(builder, ir.Constant(vec.type, 0.0))
+
+            def over_row(raw):
+                def split_part(x):
+                    return split_part_of(builder, x)
+
+                def step(offset, mask):
+                    s = vec.load(source, offset, mask)
+                    if raw:  # read_score(scale * s)
+                        s = builder.fmul(s, scale)
+                        s = builder.select(builder.fcmp_ordered("==", s, minus_inf), nan, s)
+                    p = _exp_lanes(builder, vec, builder.fsub(s, m))
+                    total = builder.fadd(builder.load(lanes), p)
+                    if mask is not None:  # lanes past the row keep their sums (even a -0)
+                        total = builder.select(mask, total, builder.load(lanes))
+                    builder.store(total, lanes)
+                    if vec.itemsize == 8:
+                        p = builder.fptrunc(p, float32)
+                    upper = split_part(p)
+                    upper_value = builder.bitcast(
+                        builder.shl(builder.zext(upper, ir.VectorType(I32, SUM_LANES)),
+                                    splat_int(I32, SUM_LANES, 16)), float32)
+                    bits.store(upper, hi_at, offset, mask)
+                    bits.store(split_part(builder.fsub(p, upper_value)), lo_at,
+                               offset, mask)
+
+                vec.over_row(n_v, step)
+
+            with builder.if_else(raw_v) as (scaled_here, scaled_before):
+                with scaled_here:
+                    over_row(True)
+                with scaled_before:
+                    over_row(False)
+            return horizontal(builder, builder.load(lanes), builder.fadd)
+
+        return sig, codegen
+
+    return exp_split_row
+
+
 def _exp_lanes(builder, vec, x):
     """``e^x`` in each lane of ``x`` (Cephes' ``expf`` or ``exp``, as :func:`.simd.exp_row`
     computes it: 0 below :data:`.simd.EXP_LOW`, NaN for NaN)."""
@@ -729,11 +813,27 @@ def widen_span_intrinsic(vector_bytes):
     return widen_span
 
 
+def bfloat16_bits(builder, x):
+    """The bfloat16 bits (``i16`` lanes) nearest the float32 lanes ``x``, in integer
+    arithmetic: ``(u + 0x7FFF + (u >> 16 & 1)) >> 16`` of the float's bits ``u`` (ties to
+    even), a NaN made ``0x7FC0`` with its sign."""
+    lanes = x.type.count
+
+    def splat(value):
+        return splat_int(I32, lanes, value)
+
+    u = builder.bitcast(x, ir.VectorType(I32, lanes))
+    upper = builder.lshr(u, splat(16))
+    nearest = builder.lshr(builder.add(builder.add(u, splat(0x7FFF)),
+                                       builder.and_(upper, splat(1))), splat(16))
+    nan = builder.or_(builder.and_(upper, splat(0x8000)), splat(0x7FC0))
+    is_nan = builder.fcmp_unordered("uno", x, x)
+    return builder.trunc(builder.select(is_nan, nan, nearest), ir.VectorType(I16, lanes))
+
+
 def round_span_intrinsic(vector_bytes):
     """The intrinsic of :func:`.simd.round_span`: float16 by ``fptrunc`` (the hardware's
-    conversion, ties to even), bfloat16 in integer arithmetic: ``(u + 0x7FFF + (u >> 16 &
-    1)) >> 16`` of the float's bits ``u`` (ties to even), a NaN made ``0x7FC0`` with its
-    sign."""
+    conversion, ties to even), bfloat16 by :func:`bfloat16_bits`."""
 
     @intrinsic
     def round_span(typingctx, values, bits, start, count):
@@ -752,11 +852,7 @@ def round_span_intrinsic(vector_bytes):
             source = row_pointer(context, builder, values_ty, values_v, [start_v])
             target = row_pointer(context, builder, bits_ty, bits_v, [start_v])
             lanes = vec.lanes
-            i32 = ir.VectorType(I32, lanes)
             float16 = bits_ty.dtype == types.int16
-
-            def splat(value):
-                return splat_int(I32, lanes, value)
 
             def step(offset, mask):
                 x = vec.load(source, offset, mask)
@@ -764,14 +860,7 @@ def round_span_intrinsic(vector_bytes):
                     rounded = builder.bitcast(
                         builder.fptrunc(x, ir.VectorType(ir.HalfType(), lanes)), out.type)
                 else:
-                    u = builder.bitcast(x, i32)
-                    upper = builder.lshr(u, splat(16))
-                    nearest = builder.lshr(builder.add(builder.add(u, splat(0x7FFF)),
-                                                       builder.and_(upper, splat(1))),
-                                           splat(16))
-                    nan = builder.or_(builder.and_(upper, splat(0x8000)), splat(0x7FC0))
-                    is_nan = builder.fcmp_unordered("uno", x, x)
-                    rounded = builder.trunc(builder.select(is_nan, nan, nearest), out.type)
+                    rounded = bfloat16_bits(builder, x)
                 out.store(rounded, target, offset, mask)
 
             vec.over_row(count_v, step)

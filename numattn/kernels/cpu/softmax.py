@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 from ...core.jit import body
+from ..shared.scores import read_score
 from ..shared.softmax import accumulate, rescale_factor
-from .simd import exp_row, row_max
+from .simd import exp_row, exp_split_row, row_max
 
 
 @body
@@ -38,6 +39,32 @@ def softmax_tile(scores, m_run, l_run, alpha):
             alpha[i] = 1
             continue
         total = exp_row(scores[i], kw, m_new)
+        alpha[i] = a
+        m_run[i] = m_new
+        l_run[i] = accumulate(l_run[i], a, total)
+
+
+@body
+def softmax_split_tile(scores, rows, scale, raw, m_run, l_run, alpha, hi, lo):
+    """:func:`softmax_tile` of the first ``rows`` rows of ``scores [*, K]``, the weights
+    written as two bfloat16 parts instead, ``hi + lo`` (bits, ``[rows, K]`` flattened,
+    :func:`.simd.exp_split_row`), for the AMX tiles' ``P V`` (:mod:`.amx`); ``scores``
+    are left as they are.  With ``raw``, ``scores`` hold the unscaled ``q . k`` and
+    ``scale > 0`` (the row's maximum then is ``scale`` times that of the sums): the scale
+    and :func:`~numattn.kernels.shared.scores.read_score` apply in the same pass."""
+    kw = scores.shape[1]
+    for i in range(rows):
+        top = row_max(scores[i], kw)
+        if raw:
+            top = read_score(top * scale)
+        m_new, a = rescale_factor(m_run[i], top)
+        if m_new == -math.inf:  # nothing visible yet
+            for j in range(i * kw, (i + 1) * kw):
+                hi[j] = 0
+                lo[j] = 0
+            alpha[i] = 1
+            continue
+        total = exp_split_row(scores[i], kw, m_new, scale, raw, hi, lo, i * kw)
         alpha[i] = a
         m_run[i] = m_new
         l_run[i] = accumulate(l_run[i], a, total)
