@@ -24,6 +24,7 @@ from numattn import (
     softcap,
 )
 from numattn.core import dtypes
+from numattn.core.jit import body, cpu_jit
 from numattn.kernels.cpu import amx, flash
 
 from .test_functions import head_window
@@ -65,37 +66,66 @@ def _bits(rng, shape):
     return rng.standard_normal(shape).astype(BF16).view(np.uint16)
 
 
-def test_packed_layouts(rng):
-    """pack_key and pack_value put each element where tdpbf16ps reads it: operand B of 16
+@body
+def _pack_all(k_blocks, v_blocks, pages, slots, head, num_keys, k_pack, v_pack):
+    finite = True
+    for j in range(0, num_keys, 16):
+        amx.pack_keys(k_blocks, pages, slots, j, head, k_pack, num_keys)
+        finite &= amx.pack_values(v_blocks, pages, slots, j, head, v_pack)
+    return finite
+
+
+def _pack_all_plain(k_blocks, v_blocks, pages, slots, head, num_keys, k_pack, v_pack):
+    finite = [amx.pack_values(v_blocks, pages, slots, j, head, v_pack)
+              for j in range(0, num_keys, 16)]
+    for j in range(0, num_keys, 16):
+        amx.pack_keys(k_blocks, pages, slots, j, head, k_pack, num_keys)
+    return all(finite)
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+def test_packed_layouts(head_major, rng):
+    """pack_keys and pack_values put each element where tdpbf16ps reads it: operand B of 16
     rows of 32 numbers, row p holding the pair (2p, 2p + 1) of the reduced axis for each of
-    its 16 columns."""
-    num_keys, head_dim = 64, 96
-    keys, values = _bits(rng, (num_keys, head_dim)), _bits(rng, (num_keys, head_dim))
-    k_pack = np.zeros(num_keys * head_dim, np.uint16)
-    v_pack = np.zeros(num_keys * head_dim, np.uint16)
-    finite = [amx.pack_value(values[n], n, v_pack) for n in range(num_keys)]
-    for n in range(num_keys):
-        amx.pack_key(keys[n], n, k_pack, num_keys)
-    assert all(finite)
+    its 16 columns; keys from shuffled pages (token-major or head-major blocks), compiled
+    (vector code) and plain alike; a NaN or inf in any V row is reported."""
+    num_keys, head_dim, num_heads, page_size, head = 64, 96, 3, 8, 1
+    pages = rng.permutation(num_keys // page_size + 2)
+    shape = (num_heads, len(pages), page_size, head_dim)
+    k_blocks, v_blocks = (_bits(rng, shape) if head_major else
+                          _bits(rng, shape).transpose(1, 2, 0, 3).copy() for _ in range(2))
+    if head_major:
+        k_blocks, v_blocks = (x.transpose(1, 2, 0, 3) for x in (k_blocks, v_blocks))
+    key_pages = np.repeat(pages[:num_keys // page_size], page_size).astype(np.int64)
+    key_slots = np.tile(np.arange(page_size), num_keys // page_size).astype(np.int64)
+    keys = k_blocks[key_pages, key_slots, head]
+    values = v_blocks[key_pages, key_slots, head]
 
     def operand_b(pack, block):  # [reduced index, column] of one 16 x 32 block
         rows = pack[block * 512:(block + 1) * 512].reshape(16, 16, 2)  # [p, column, side]
         return rows.transpose(0, 2, 1).reshape(32, 16)
 
-    key_groups = num_keys // 16
-    for c in range(head_dim // 32):  # K^T: reduced over D, columns are keys
-        for g in range(key_groups):
-            np.testing.assert_array_equal(operand_b(k_pack, c * key_groups + g),
-                                          keys[16 * g:16 * g + 16, 32 * c:32 * c + 32].T)
-    element_groups = head_dim // 16
-    for c in range(num_keys // 32):  # V: reduced over keys, columns are elements
-        for e in range(element_groups):
-            np.testing.assert_array_equal(operand_b(v_pack, c * element_groups + e),
-                                          values[32 * c:32 * c + 32, 16 * e:16 * e + 16])
-    values[5, 7] = 0x7FC0  # a NaN
-    assert not amx.pack_value(values[5], 5, v_pack)
-    values[5, 7] = 0xFF80  # -inf
-    assert not amx.pack_value(values[5], 5, v_pack)
+    for pack_all in cpu_jit(_pack_all), _pack_all_plain:
+        k_pack = np.zeros(num_keys * head_dim, np.uint16)
+        v_pack = np.zeros(num_keys * head_dim, np.uint16)
+        args = (k_blocks, v_blocks, key_pages, key_slots, head, num_keys, k_pack, v_pack)
+        assert pack_all(*args)
+        key_groups = num_keys // 16
+        for c in range(head_dim // 32):  # K^T: reduced over D, columns are keys
+            for g in range(key_groups):
+                np.testing.assert_array_equal(operand_b(k_pack, c * key_groups + g),
+                                              keys[16 * g:16 * g + 16, 32 * c:32 * c + 32].T)
+        element_groups = head_dim // 16
+        for c in range(num_keys // 32):  # V: reduced over keys, columns are elements
+            for e in range(element_groups):
+                np.testing.assert_array_equal(operand_b(v_pack, c * element_groups + e),
+                                              values[32 * c:32 * c + 32, 16 * e:16 * e + 16])
+        for n in [36, 37]:  # either row of a pair
+            for special in [0x7FC0, 0xFF80]:  # NaN, -inf
+                element = (key_pages[n], key_slots[n], head, 7)
+                v_blocks[element] = special
+                assert not pack_all(*args)
+                v_blocks[element] = values[n, 7]
 
 
 # --------------------------------------------------------------------------------------

@@ -6,12 +6,12 @@ multiple of 32) with ``tdpbf16ps``: 16 x 16 float32 sums of products of bfloat16
 
 * ``S = Q K^T``: the stacked query rows as they are stored (bfloat16, not yet scaled: the
   scale multiplies the sums), against K packed per tile as the instruction reads it
-  (:func:`pack_key`: pairs of elements of 16 keys side by side).  Products of two bfloat16
+  (:func:`pack_keys`: pairs of elements of 16 keys side by side).  Products of two bfloat16
   numbers are exact in float32 and the sums are float32's, so the arithmetic stays the
   float32 the contract asks for (in another order of the sums).
 * ``P V``: the weights split into two bfloat16 parts, ``P = hi + lo`` to 16 significant
   bits (:func:`.simd.exp_split_row`), each multiplied into V packed in pairs of keys
-  (:func:`pack_value`): a weight's error is at most ``2^-17`` of it, where rounding the
+  (:func:`pack_values`): a weight's error is at most ``2^-17`` of it, where rounding the
   weights to bfloat16 (as other libraries do) would leave ``2^-9``.
 
 The hardware treats bfloat16 inputs below ``2^-126`` as zero and flushes such results to
@@ -138,49 +138,46 @@ def tile_configuration():
     return config
 
 
-@body
-def pack_key(row, n, k_pack, num_keys):
-    """Put key ``n``'s bfloat16 row (``D`` bits) into ``k_pack``, the K of a tile of
-    ``num_keys`` keys (a multiple of 16) as ``tdpbf16ps`` reads its second operand: for
-    elements ``32 c .. 32 c + 31`` of keys ``16 g .. 16 g + 15``, a block of 16 rows of 32
-    numbers, row ``p`` holding elements ``32 c + 2 p`` and ``32 c + 2 p + 1`` of each key."""
-    head_dim = row.shape[0]
-    key_groups = num_keys // 16
-    g = n // 16
-    column = 2 * (n % 16)
-    for d in range(0, head_dim, 2):
-        c = d // 32
-        p = d % 32 // 2
-        at = ((c * key_groups + g) * 16 + p) * 32 + column
-        k_pack[at] = np.uint16(row[d])  # (bits already: the kernels compile it for every
-        k_pack[at + 1] = np.uint16(row[d + 1])  # format, and run it for bfloat16 only)
+def pack_keys(k_blocks, pages, slots, j, head, k_pack, num_keys):
+    """Put the bfloat16 K rows (bits) of keys ``j .. j + 15`` (``j`` a multiple of 16) of
+    KV head ``head``, rows ``k_blocks[pages[n], slots[n], head]``, into ``k_pack``, the K
+    of a tile of ``num_keys`` keys as ``tdpbf16ps`` reads its second operand: for elements
+    ``32 c .. 32 c + 31`` of keys ``16 g .. 16 g + 15``, a block of 16 rows of 32 numbers,
+    row ``p`` holding elements ``32 c + 2 p`` and ``32 c + 2 p + 1`` of each key: the
+    transpose of the keys' 16 pairs of elements as 32-bit words (plain NumPy here, vector
+    code compiled: :func:`register`)."""
+    rows = np.stack([k_blocks[pages[n], slots[n], head] for n in range(j, j + 16)])
+    pairs = rows.view(np.uint32)  # [16 keys, D / 2 pairs]
+    k_words = k_pack.view(np.uint32)
+    for c in range(rows.shape[1] // 32):
+        at = (c * (num_keys // 16) + j // 16) * 256
+        k_words[at:at + 256] = pairs[:, 16 * c:16 * c + 16].T.reshape(-1)
 
 
-@body
-def pack_value(row, n, v_pack):
-    """Put key ``n``'s bfloat16 V row (``D`` bits) into ``v_pack``, as ``tdpbf16ps`` reads
-    its second operand: for keys ``32 c .. 32 c + 31`` and elements ``16 e .. 16 e + 15``,
-    a block of 16 rows of 32 numbers, row ``p`` holding keys ``32 c + 2 p`` and
-    ``32 c + 2 p + 1`` of each element.  Returns whether the row is finite (no NaN or inf:
-    exponent bits not all set)."""
-    head_dim = row.shape[0]
-    element_groups = head_dim // 16
-    c = n // 32
-    p = n % 32 // 2
-    side = n % 2
-    special = 0
-    for d in range(head_dim):
-        bits = np.uint16(row[d])
-        v_pack[((c * element_groups + d // 16) * 16 + p) * 32 + 2 * (d % 16) + side] = bits
-        special |= (bits & 0x7F80) == 0x7F80
-    return special == 0
+def pack_values(v_blocks, pages, slots, j, head, v_pack):
+    """Put the bfloat16 V rows (bits) of keys ``j .. j + 15`` (``j`` a multiple of 16) of
+    KV head ``head`` into ``v_pack``, as ``tdpbf16ps`` reads its second operand: for keys
+    ``32 c .. 32 c + 31`` and elements ``16 e .. 16 e + 15``, a block of 16 rows of 32
+    numbers, row ``p`` holding keys ``32 c + 2 p`` and ``32 c + 2 p + 1`` of each element
+    (the pair as one 32-bit word).  Returns whether the rows are finite (no NaN or inf:
+    exponent bits not all set).  (Plain NumPy here, vector code compiled.)"""
+    rows = np.stack([v_blocks[pages[n], slots[n], head] for n in range(j, j + 16)])
+    element_groups = rows.shape[1] // 16
+    v_words = v_pack.view(np.uint32)
+    for pair in range(8):
+        words = rows[2 * pair].astype(np.uint32) | (rows[2 * pair + 1].astype(np.uint32) << 16)
+        p = (j + 2 * pair) % 32 // 2
+        for e in range(element_groups):
+            at = ((j // 32 * element_groups + e) * 16 + p) * 16
+            v_words[at:at + 16] = words[16 * e:16 * e + 16]
+    return not ((rows & 0x7F80) == 0x7F80).any()
 
 
 @body
 def tile_scores(q_bits, rows, head_dim, k_pack, num_keys, scores_flat):
     """``scores[r, n] = q[r] . k[n]`` (unscaled) for the first ``rows`` rounded up to 16
     rows of ``q_bits [rows, D]`` (bfloat16 bits) and the ``num_keys`` keys of ``k_pack``
-    (:func:`pack_key`), into ``scores_flat`` as ``[rows, num_keys]`` (rows past ``rows``
+    (:func:`pack_keys`), into ``scores_flat`` as ``[rows, num_keys]`` (rows past ``rows``
     too)."""
     key_groups = num_keys // 16
     chunks = head_dim // 32
@@ -213,7 +210,7 @@ def tile_scores(q_bits, rows, head_dim, k_pack, num_keys, scores_flat):
 def tile_values(hi, lo, rows, num_keys, v_pack, head_dim, pv_flat):
     """``pv[r] = sum_n (hi + lo)[r, n] v[n]`` for the first ``rows`` rounded up to 16 rows
     of the split weights ``[rows, num_keys]`` (:func:`.simd.exp_split_row`) and the V of ``v_pack``
-    (:func:`pack_value`), into ``pv_flat`` as ``[rows, D]``."""
+    (:func:`pack_values`), into ``pv_flat`` as ``[rows, D]``."""
     element_groups = head_dim // 16
     chunks = num_keys // 32
     hi_base = hi.ctypes.data
@@ -271,6 +268,22 @@ def _store_accumulators(address, stride, wide):
 _REGISTERED = []
 
 
+def _forward_pack_keys(packing):
+    def typer(blocks, pages, slots, j, head, pack, num_keys):
+        return lambda blocks, pages, slots, j, head, pack, num_keys: packing(
+            blocks, pages, slots, j, head, pack, num_keys)
+
+    return typer
+
+
+def _forward_pack_values(packing):
+    def typer(blocks, pages, slots, j, head, pack):
+        return lambda blocks, pages, slots, j, head, pack: packing(
+            blocks, pages, slots, j, head, pack)
+
+    return typer
+
+
 def register():
     """Give the tile primitives their compiled forms (inline assembly), once per process."""
     if _REGISTERED:
@@ -312,6 +325,13 @@ def register():
         if not isinstance(t, types.IntegerLiteral):
             raise TypeError("AMX tile numbers must be constants")
         return t.literal_value
+
+    from . import simd_llvm
+
+    # (``@overload`` typing functions whose implementations call the intrinsics)
+    overload(pack_keys, inline="always")(_forward_pack_keys(simd_llvm.pack_keys_intrinsic()))
+    overload(pack_values, inline="always")(
+        _forward_pack_values(simd_llvm.pack_values_intrinsic()))
 
     @overload(tile_config, inline="always")
     def _config(address):

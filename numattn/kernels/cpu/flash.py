@@ -47,8 +47,8 @@ from ..shared.scores import modified_score, read_score
 from ..shared.softmax import accumulate, finish_row
 from . import amx
 from .amx import (
-    pack_key,
-    pack_value,
+    pack_keys,
+    pack_values,
     tile_config,
     tile_configuration,
     tile_release,
@@ -451,7 +451,7 @@ def _tile_step_amx(scratch, head_dim, width, kw, elementwise, pos0, k0, group, m
     """:func:`_tile_step` of all the item's ``width`` query positions over a tile of ``kw``
     keys (a multiple of 32), its two products on AMX tiles (:mod:`.amx`): the stacked
     rows' bfloat16 bits against the packed K and V of the tile (``scratch[9:12]``,
-    :func:`.amx.pack_key`, :func:`.amx.pack_value`), the weights split in two bfloat16
+    :func:`.amx.pack_keys`, :func:`.amx.pack_values`), the weights split in two bfloat16
     parts (``scratch[12:14]``, :func:`.softmax.softmax_split_tile`).  The scale multiplies
     the sums, in the softmax's pass where no mask, additive tensor or score modifier comes
     in between (and the scale is positive).  ``sub_q`` positions at a time (their scores
@@ -537,20 +537,19 @@ def _mask_scores(scores, mask, r0, r1, pos0, key0, group, b, bm, h0, row0, visib
 @body
 def _pack_tile(k_blocks, v_blocks, pages, slots, kw, kv_head, scratch):
     """The tile's bfloat16 K and V rows of KV head ``kv_head`` packed for the AMX tiles
-    (``scratch[10]``, ``scratch[11]``: :func:`.amx.pack_key`, :func:`.amx.pack_value`),
-    asking for the rows :data:`GATHER_PREFETCH_KEYS` keys ahead; returns whether every V
-    element is finite."""
-    for j in range(min(GATHER_PREFETCH_KEYS, kw)):
+    (``scratch[10]``, ``scratch[11]``: :func:`.amx.pack_keys`, :func:`.amx.pack_values`),
+    16 keys at a time, asking for the next 16 keys' rows first; returns whether every V
+    element is finite.  (``kw`` is a multiple of 16.)"""
+    for j in range(min(16, kw)):
         prefetch_head(k_blocks, pages[j], slots[j], kv_head)
         prefetch_head(v_blocks, pages[j], slots[j], kv_head)
     finite = True
-    for j in range(kw):
-        ahead = j + GATHER_PREFETCH_KEYS
-        if ahead < kw:
+    for j in range(0, kw, 16):
+        for ahead in range(j + 16, min(j + 32, kw)):
             prefetch_head(k_blocks, pages[ahead], slots[ahead], kv_head)
             prefetch_head(v_blocks, pages[ahead], slots[ahead], kv_head)
-        pack_key(k_blocks[pages[j], slots[j], kv_head], j, scratch[10], kw)
-        finite &= pack_value(v_blocks[pages[j], slots[j], kv_head], j, scratch[11])
+        pack_keys(k_blocks, pages, slots, j, kv_head, scratch[10], kw)
+        finite &= pack_values(v_blocks, pages, slots, j, kv_head, scratch[11])
     return finite
 
 

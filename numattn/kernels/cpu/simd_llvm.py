@@ -715,6 +715,139 @@ def _exp_lanes(builder, vec, x):
 
 
 # --------------------------------------------------------------------------------------
+# K and V packed for the AMX tiles (:mod:`.amx`).
+# --------------------------------------------------------------------------------------
+def _check_pack(blocks, pack, what):
+    if (not isinstance(blocks, types.Array) or blocks.ndim != 4
+            or blocks.dtype != types.uint16):
+        raise errors.TypingError(f"{what} takes 4-D uint16 (bfloat16) blocks")
+    check_row(pack, what)
+    if pack.dtype != types.uint16:
+        raise errors.TypingError(f"{what} packs into a uint16 array")
+
+
+def _pack_args(context, builder, signature, args):
+    """The rows of keys ``j .. j + 15`` (pointers), ``j``, the row length, and the pack's
+    start as 32-bit words, of a packing intrinsic's arguments ``(blocks, pages, slots, j,
+    head, pack, ...)``."""
+    blocks_ty, pages_ty, slots_ty = signature.args[:3]
+    blocks_v, pages_v, slots_v, j_v, head_v, pack_v = args[:6]
+    j = context.cast(builder, j_v, signature.args[3], types.int64)
+    head = context.cast(builder, head_v, signature.args[4], types.int64)
+    rows = key_rows(context, builder, blocks_ty, blocks_v, head, pages_ty, pages_v, slots_ty,
+                    slots_v, [builder.add(j, const(n)) for n in range(16)])
+    head_dim = last_dim(context, builder, blocks_ty, blocks_v)
+    words = builder.bitcast(row_pointer(context, builder, signature.args[5], pack_v,
+                                        [const(0)]), I32.as_pointer())
+    return rows, j, head_dim, words
+
+
+def _load_at(builder, row, offset, vector_type):
+    """The ``vector_type`` at element ``offset`` of ``row`` (a ``uint16`` pointer)."""
+    return builder.load(builder.bitcast(builder.gep(row, [offset]), vector_type.as_pointer()),
+                        align=2)
+
+
+def _store_words(builder, value, words, offset):
+    builder.store(value, builder.bitcast(builder.gep(words, [offset]),
+                                         value.type.as_pointer()), align=4)
+
+
+def transpose_16(builder, vectors):
+    """The 16 x 16 transpose of 16 vectors of 16 lanes: for each bit ``h`` of an index, one
+    two-vector shuffle per vector swaps that bit between row and column (the blocks off the
+    diagonal at each scale), 64 shuffles in all."""
+    rows = list(vectors)
+    for h in (8, 4, 2, 1):
+        low = [k if k & h == 0 else 16 + k - h for k in range(16)]
+        high = [k + h if k & h == 0 else 16 + k for k in range(16)]
+        for i in range(16):
+            if i & h == 0:
+                a, b = rows[i], rows[i + h]
+                rows[i] = builder.shuffle_vector(a, b, vector_const(I32, low))
+                rows[i + h] = builder.shuffle_vector(a, b, vector_const(I32, high))
+    return rows
+
+
+def pack_keys_intrinsic():
+    """The intrinsic of :func:`.amx.pack_keys`: per 32 elements, the 16 keys' rows loaded
+    as vectors of 16 pairs (32-bit words), transposed in registers
+    (:func:`transpose_16`), stored as one 1 KiB block."""
+
+    @intrinsic
+    def pack_keys(typingctx, k_blocks, pages, slots, j, head, k_pack, num_keys):
+        _check_pack(k_blocks, k_pack, "pack_keys")
+        sig = types.none(k_blocks, pages, slots, j, head, k_pack, num_keys)
+
+        def codegen(context, builder, signature, args):
+            rows, j, head_dim, words = _pack_args(context, builder, signature, args)
+            num_keys = context.cast(builder, args[6], signature.args[6], types.int64)
+            word_vector = ir.VectorType(I32, 16)
+            key_groups = builder.udiv(num_keys, const(16))
+            group = builder.udiv(j, const(16))
+            with cgutils.for_range(builder, builder.udiv(head_dim, const(32))) as loop:
+                c = loop.index
+                columns = [_load_at(builder, row, builder.mul(c, const(32)), word_vector)
+                           for row in rows]
+                block = builder.mul(builder.add(builder.mul(c, key_groups), group),
+                                    const(256))
+                for p, row in enumerate(transpose_16(builder, columns)):
+                    _store_words(builder, row, words, builder.add(block, const(16 * p)))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return pack_keys
+
+
+def pack_values_intrinsic():
+    """The intrinsic of :func:`.amx.pack_values`: per 16 elements and pair of keys, the
+    two rows' vectors widened to 32 bits and merged into one vector of words; the
+    exponents of all checked on the way (an OR of per-lane flags, reduced at the end)."""
+
+    @intrinsic
+    def pack_values(typingctx, v_blocks, pages, slots, j, head, v_pack):
+        _check_pack(v_blocks, v_pack, "pack_values")
+        sig = types.boolean(v_blocks, pages, slots, j, head, v_pack)
+
+        def codegen(context, builder, signature, args):
+            rows, j, head_dim, words = _pack_args(context, builder, signature, args)
+            bits_vector = ir.VectorType(I16, 16)
+            word_vector = ir.VectorType(I32, 16)
+            exponent = splat_int(I16, 16, 0x7F80)
+            element_groups = builder.udiv(head_dim, const(16))
+            first = builder.add(  # (c e_groups + e) 256 + p 16, for e = 0
+                builder.mul(builder.mul(builder.udiv(j, const(32)), element_groups),
+                            const(256)),
+                builder.mul(builder.udiv(builder.urem(j, const(32)), const(2)), const(16)))
+            special = cgutils.alloca_once_value(builder, splat_int(I16, 16, 0))
+            with cgutils.for_range(builder, element_groups) as loop:
+                e = loop.index
+                base = builder.add(first, builder.mul(e, const(256)))
+                flags = builder.load(special)
+                for pair in range(8):
+                    even, odd = (_load_at(builder, rows[2 * pair + side],
+                                          builder.mul(e, const(16)), bits_vector)
+                                 for side in (0, 1))
+                    word = builder.or_(builder.zext(even, word_vector),
+                                       builder.shl(builder.zext(odd, word_vector),
+                                                   splat_int(I32, 16, 16)))
+                    _store_words(builder, word, words, builder.add(base, const(16 * pair)))
+                    for half in (even, odd):
+                        flags = builder.or_(flags, builder.zext(
+                            builder.icmp_unsigned("==", builder.and_(half, exponent),
+                                                  exponent), bits_vector))
+                builder.store(flags, special)
+            any_special = call(builder, "llvm.vector.reduce.or.v16i16", I16,
+                               [builder.load(special)])
+            return builder.icmp_unsigned("==", any_special, ir.Constant(I16, 0))
+
+        return sig, codegen
+
+    return pack_values
+
+
+# --------------------------------------------------------------------------------------
 # Prefetch hints.
 # --------------------------------------------------------------------------------------
 def prefetch_row_intrinsic():
