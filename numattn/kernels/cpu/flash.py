@@ -488,7 +488,7 @@ def _tile_step_amx(scratch, head_dim, width, kw, elementwise, pos0, k0, group, m
                 _mask_scores(scores, mask, r0, r1, pos0, k0, group, b, bm, h0, row0,
                              scratch[7])
         alpha_rows = row_state[2][i0:i0 + rows]
-        softmax_split_tile(scores, rows, scale, raw, row_state[0][i0:i0 + rows],
+        softmax_split_tile(scores, scale, raw, row_state[0][i0:i0 + rows],
                            row_state[1][i0:i0 + rows], alpha_rows, w_hi, w_lo)
         for j in range(rows * kw, (rows + 15) // 16 * 16 * kw):  # the 16-row tiles' rest
             w_hi[j] = 0

@@ -32,39 +32,50 @@ def softmax_tile(scores, m_run, l_run, alpha):
     for i in range(scores.shape[0]):
         # rows as scores[i], no view of a row kept across the calls of the shared bodies:
         # Numba would then count the view's references at every row
-        m_new, a = rescale_factor(m_run[i], row_max(scores[i], kw))
+        m_new = _moved_max(m_run, alpha, i, row_max(scores[i], kw))
         if m_new == -math.inf:  # nothing visible yet
             for j in range(kw):
                 scores[i, j] = 0
-            alpha[i] = 1
             continue
         total = exp_row(scores[i], kw, m_new)
-        alpha[i] = a
         m_run[i] = m_new
-        l_run[i] = accumulate(l_run[i], a, total)
+        l_run[i] = accumulate(l_run[i], alpha[i], total)
 
 
 @body
-def softmax_split_tile(scores, rows, scale, raw, m_run, l_run, alpha, hi, lo):
-    """:func:`softmax_tile` of the first ``rows`` rows of ``scores [*, K]``, the weights
-    written as two bfloat16 parts instead, ``hi + lo`` (bits, ``[rows, K]`` flattened,
+def _moved_max(m_run, alpha, i, top):
+    """Row ``i``'s running max moved to a tile whose largest score is ``top``
+    (:func:`~numattn.kernels.shared.softmax.rescale_factor`): returns the new max and
+    sets ``alpha[i]``, to 1 where nothing is visible yet, and without an exponential
+    where the max stays (``e^0``: most tiles past the first few of a row)."""
+    m = m_run[i]
+    if top <= m and m != -math.inf:  # (neither NaN)
+        alpha[i] = 1
+        return m
+    m_new, a = rescale_factor(m, top)
+    alpha[i] = 1 if m_new == -math.inf else a
+    return m_new
+
+
+@body
+def softmax_split_tile(scores, scale, raw, m_run, l_run, alpha, hi, lo):
+    """:func:`softmax_tile` of ``scores [rows, K]``, the weights written as two bfloat16
+    parts instead, ``hi + lo`` (bits, ``[rows, K]`` flattened,
     :func:`.simd.exp_split_row`), for the AMX tiles' ``P V`` (:mod:`.amx`); ``scores``
     are left as they are.  With ``raw``, ``scores`` hold the unscaled ``q . k`` and
     ``scale > 0`` (the row's maximum then is ``scale`` times that of the sums): the scale
     and :func:`~numattn.kernels.shared.scores.read_score` apply in the same pass."""
     kw = scores.shape[1]
-    for i in range(rows):
+    for i in range(scores.shape[0]):
         top = row_max(scores[i], kw)
         if raw:
             top = read_score(top * scale)
-        m_new, a = rescale_factor(m_run[i], top)
+        m_new = _moved_max(m_run, alpha, i, top)
         if m_new == -math.inf:  # nothing visible yet
             for j in range(i * kw, (i + 1) * kw):
                 hi[j] = 0
                 lo[j] = 0
-            alpha[i] = 1
             continue
         total = exp_split_row(scores[i], kw, m_new, scale, raw, hi, lo, i * kw)
-        alpha[i] = a
         m_run[i] = m_new
-        l_run[i] = accumulate(l_run[i], a, total)
+        l_run[i] = accumulate(l_run[i], alpha[i], total)
