@@ -679,14 +679,7 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
     bm = b if n_bm > 1 else 0
     rows = group * width
     h0 = kv_head * group
-    # Stacked, pre-scaled query tile, position-major: row r * group + hl holds
-    # position pos0 + r of head h0 + hl (so a run of positions is a run of rows).
-    for r in range(width):
-        for hl in range(group):
-            base = (r * group + hl) * head_dim
-            widen_row(q, q_base + r, 0, h0 + hl, q_buf, base, q_format)
-            for d in range(base, base + head_dim):
-                q_buf[d] *= scale
+    q_widened = False  # the stacked query tile below, made at the first tile that needs it
     if use_amx:  # the rows as stored, then zeros to a multiple of 16 rows
         q_bits = scratch[9]
         for r in range(width):
@@ -725,6 +718,16 @@ def _run_item(queries, b, kv_head, row0, width, kv, mask, softmax, tiling, outpu
                 k_blocks, v_blocks, pages, slots, kw, whole, scratch, width, pos0, k0, group,
                 mask, b, bm, kv_head, row0, scale, sub_q):
             continue
+        if not q_widened:
+            # Stacked, pre-scaled query tile, position-major: row r * group + hl holds
+            # position pos0 + r of head h0 + hl (so a run of positions is a run of rows).
+            for r in range(width):
+                for hl in range(group):
+                    base = (r * group + hl) * head_dim
+                    widen_row(q, q_base + r, 0, h0 + hl, q_buf, base, q_format)
+                    for d in range(base, base + head_dim):
+                        q_buf[d] *= scale
+            q_widened = True
         for j in range(min(GATHER_PREFETCH_KEYS, kw)):
             prefetch_head(k_blocks, pages[j], slots[j], kv_head)
             prefetch_head(v_blocks, pages[j], slots[j], kv_head)
