@@ -209,28 +209,28 @@ def exp_row(row, n, m):
 
 
 def exp_split_row(row, n, m, scale, raw, hi, lo, start):
-    """The weights :func:`exp_row` makes of ``row[:n]`` (left as it is), as two bfloat16
-    parts (bits) ``hi[start + j] + lo[start + j]``, each rounded to the nearest, ties to
-    even, from a value that counts as zero below float32's normal range (as AVX512-BF16's
-    ``vcvtneps2bf16`` rounds, which it is where the target has it): 16 significant bits,
-    and the parts' errors below ``2^-126`` (as the AMX tiles read bfloat16, with such
-    numbers as zero).  Returns their sum, as
-    :func:`exp_row` sums them.  With ``raw`` the row holds sums ``q . k`` not yet scaled,
-    and the scores are :func:`~numattn.kernels.shared.scores.read_score` of ``scale`` times
-    them (the AMX tiles' scores, read in the same pass).  ``m`` is the scores' maximum, as
-    :func:`exp_row` takes it."""
+    """The weights :func:`exp_row` makes of ``row[:n]`` (left as it is) written as two
+    bfloat16 parts (bits), ``hi[start + j] + lo[start + j]``: ``hi`` the weight and ``lo``
+    the rest, each rounded to the nearest, ties to even, values below float32's normal
+    range counting as zero (as AVX512-BF16's ``vcvtneps2bf16`` rounds, which does it where
+    the target has it, and as the AMX tiles read bfloat16): 16 significant bits.  Returns
+    the weights' sum, as :func:`exp_row` sums them.  With ``raw`` the row holds sums
+    ``q . k`` not yet scaled, and the scores are
+    :func:`~numattn.kernels.shared.scores.read_score` of ``scale`` times them (the AMX
+    tiles' scores, read in the same pass).  ``m`` is the scores' maximum."""
     from ...core.dtypes import ml_dtype
 
     bfloat16 = ml_dtype("bfloat16")
+
+    def rounded(values):
+        tiny = np.abs(values) < np.finfo(np.float32).tiny
+        return np.where(tiny, np.copysign(np.float32(0), values), values).astype(bfloat16)
+
     x = row[:n].copy()
     if raw:
         x *= scale
         x[x == -np.inf] = np.nan
     total = exp_row(x, n, m)
-    def rounded(values):
-        tiny = np.abs(values) < np.finfo(np.float32).tiny
-        return np.where(tiny, np.copysign(np.float32(0), values), values).astype(bfloat16)
-
     x = x.astype(np.float32)
     upper = rounded(x)
     hi[start:start + n] = upper.view(np.uint16)

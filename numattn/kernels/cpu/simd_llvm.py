@@ -600,7 +600,7 @@ def exp_split_row_intrinsic(converts_bfloat16):
     of the values with those below float32's normal range made zero, as the instruction
     reads them."""
 
-    def split_part_of(builder, x):
+    def split_part(builder, x):
         if converts_bfloat16:
             fnty = ir.FunctionType(ir.VectorType(I16, SUM_LANES), [x.type])
             return builder.asm(fnty, "vcvtneps2bf16 $1, $0", "=v,v", [x], False)
@@ -639,9 +639,6 @@ def exp_split_row_intrinsic(converts_bfloat16):
             lanes = cgutils.alloca_once_value(builder, ir.Constant(vec.type, 0.0))
 
             def over_row(raw):
-                def split_part(x):
-                    return split_part_of(builder, x)
-
                 def step(offset, mask):
                     s = vec.load(source, offset, mask)
                     if raw:  # read_score(scale * s)
@@ -654,12 +651,12 @@ def exp_split_row_intrinsic(converts_bfloat16):
                     builder.store(total, lanes)
                     if vec.itemsize == 8:
                         p = builder.fptrunc(p, float32)
-                    upper = split_part(p)
+                    upper = split_part(builder, p)
                     upper_value = builder.bitcast(
                         builder.shl(builder.zext(upper, ir.VectorType(I32, SUM_LANES)),
                                     splat_int(I32, SUM_LANES, 16)), float32)
                     bits.store(upper, hi_at, offset, mask)
-                    bits.store(split_part(builder.fsub(p, upper_value)), lo_at,
+                    bits.store(split_part(builder, builder.fsub(p, upper_value)), lo_at,
                                offset, mask)
 
                 vec.over_row(n_v, step)
