@@ -269,8 +269,9 @@ def _amx_tiles(q_format, layout, dtype):
 def _with_amx(special):
     """``special`` (the call's functions, or ``None``) with :func:`_tile_on_amx` bound to
     :func:`_tile_on_amx_tiles`: the kernels that run tiles on AMX.  The others keep the
-    stand-in, so that they compile none of the AMX code (5-7 s of a first flash or cross
-    call).  One object per ``special``, as the compiled kernels are cached by it."""
+    stand-in, so that they compile none of the AMX code (first-call times: "Flash prefill
+    on AMX tiles" in docs/performance.rst).  One object per ``special``, as the compiled
+    kernels are cached by it."""
     overrides = {} if special is None else dict(special.overrides)
     overrides["_tile_on_amx"] = _tile_on_amx_tiles
     digest = "amx" if special is None else special.digest + "_amx"
