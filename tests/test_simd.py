@@ -619,3 +619,27 @@ def test_stream_prefetch_follows_the_target_cpu(cpu_name, machine, expected, mon
         assert _simd.stream_prefetch_bytes() == expected
     finally:
         _simd.stream_prefetch_bytes.cache_clear()
+
+
+def test_kernel_bindings_call_the_intrinsics():
+    """numattn's CPU bindings name the intrinsics themselves in place of the plain
+    functions, whose inlined overloads would count the references of their array arguments
+    at every call (``numattn.core.jit.cpu_intrinsic``); ``round_span`` keeps its overload,
+    which copies where the dtypes agree."""
+    from numattn.core import jit
+    from numattn.kernels.cpu import amx, flash, softmax, split_k
+
+    _simd.register()
+    amx.register()
+    calls = [(split_k._tile_scores, _simd, ["prefetch_row", "scores_block_4", "scores_block_1"]),
+             (split_k._tile_values, _simd, ["prefetch_row", "values_block_2", "values_tile_4"]),
+             (softmax.softmax_tile, _simd, ["row_max", "exp_row"]),
+             (softmax.softmax_split_tile, _simd, ["row_max", "exp_split_row"]),
+             (flash._pack_tile, amx, ["prefetch_head", "pack_keys", "pack_values"])]
+    for func, module, names in calls:
+        scope = jit._rebind(func, "cpu").__globals__
+        for name in names:
+            plain = getattr(module, name, None) or getattr(_simd, name)
+            assert scope[name] is jit._CPU_INTRINSICS[id(plain)][1], (func.__name__, name)
+    flash_scope = jit._rebind(flash._run_item, "cpu").__globals__
+    assert flash_scope["round_span"] is _simd.round_span

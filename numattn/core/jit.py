@@ -131,7 +131,9 @@ def _reaches(func, names):
 
 def _rebind(func, target, special=None):
     """A copy of ``func`` whose globals name the ``target`` bindings of the bodies it calls
-    (specialized by ``special``, a :class:`Specialization`, where they reach its names)."""
+    (specialized by ``special``, a :class:`Specialization`, where they reach its names),
+    and on the CPU the intrinsics registered for the functions it calls
+    (:func:`cpu_intrinsic`)."""
     scope = dict(func.__globals__)
     bind = cpu_jit if target == "cpu" else cuda_device
     for name in func.__code__.co_names:
@@ -141,6 +143,10 @@ def _rebind(func, target, special=None):
                            if _reaches(override, special.names) else bind(override))
             continue
         callee = scope.get(name)
+        registered = _CPU_INTRINSICS.get(id(callee)) if target == "cpu" else None
+        if registered is not None and registered[0] is callee:
+            scope[name] = registered[1]
+            continue
         if getattr(callee, "_numattn_body", False):
             if special is not None and _reaches(callee, special.names):
                 scope[name] = bind(callee, special=special)
@@ -164,6 +170,7 @@ def _rebind(func, target, special=None):
 
 
 _BEFORE_CPU_COMPILE = []
+_CPU_INTRINSICS = {}  # id(function): (function, intrinsic), from cpu_intrinsic
 
 
 def before_cpu_compile(hook):
@@ -174,6 +181,20 @@ def before_cpu_compile(hook):
     if hook not in _BEFORE_CPU_COMPILE:
         _BEFORE_CPU_COMPILE.append(hook)
     return hook
+
+
+def cpu_intrinsic(function, intrinsic):
+    """Have the CPU bindings of the bodies that call the plain-Python ``function`` call
+    ``intrinsic`` (a Numba ``@intrinsic`` taking the same arguments) in its place; for kernel
+    modules' ``before_cpu_compile`` hooks.
+
+    Other jitted code reaches the same compiled form through an ``@overload`` of
+    ``function`` inlined into its caller, but an inlined overload binds its array arguments
+    to variables of its own, whose references Numba counts at every call with atomic
+    increments and decrements that LLVM does not always remove, and an atomic operation
+    also waits for the loads before it (16% of a decode step's time, "Reference counts in
+    the hot loops" in docs/performance.rst).  A call of the intrinsic counts nothing."""
+    _CPU_INTRINSICS[id(function)] = (function, intrinsic)
 
 
 @functools.cache

@@ -31,7 +31,7 @@ import functools
 
 import numpy as np
 
-from ...core.jit import before_cpu_compile, body
+from ...core.jit import before_cpu_compile, body, cpu_intrinsic
 
 #: Rows and bytes per row of every tile register as the kernel configures them.
 TILE_ROWS = 16
@@ -328,10 +328,13 @@ def register():
 
     from . import simd_llvm
 
-    # (``@overload`` typing functions whose implementations call the intrinsics)
-    overload(pack_keys, inline="always")(_forward_pack_keys(simd_llvm.pack_keys_intrinsic()))
-    overload(pack_values, inline="always")(
-        _forward_pack_values(simd_llvm.pack_values_intrinsic()))
+    # (``@overload`` typing functions whose implementations call the intrinsics, for other
+    # jitted callers; numattn's kernels call the intrinsics: see core.jit.cpu_intrinsic)
+    for function, forward, packing in (
+            (pack_keys, _forward_pack_keys, simd_llvm.pack_keys_intrinsic()),
+            (pack_values, _forward_pack_values, simd_llvm.pack_values_intrinsic())):
+        overload(function, inline="always")(forward(packing))
+        cpu_intrinsic(function, packing)
 
     @overload(tile_config, inline="always")
     def _config(address):

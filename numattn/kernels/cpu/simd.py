@@ -65,7 +65,7 @@ import threading
 import numpy as np
 
 from ...core.dtypes import FORMAT_BFLOAT16, FORMAT_E4M3, FORMAT_E5M2
-from ...core.jit import before_cpu_compile
+from ...core.jit import before_cpu_compile, cpu_intrinsic
 
 __all__ = [
     "exp_row",
@@ -396,10 +396,12 @@ def register():
 
         intrinsics = build_intrinsics(target_vector_bytes())
         for name, intrinsic in intrinsics.items():
-            forward = _FORWARDERS[name]
-            # inlined into the caller (as Numba IR): a call would pass every array field
-            # by field, a few hundred bytes of arguments per block of sixteen dot products
-            overload(globals()[name], inline="always")(forward(intrinsic))
+            function = globals()[name]
+            # for other jitted callers (tests): inlined into the caller (as Numba IR), as a
+            # call would pass every array field by field, a few hundred bytes of arguments
+            overload(function, inline="always")(_FORWARDERS[name](intrinsic))
+            if name != "round_span":  # (whose overload copies where the dtypes agree)
+                cpu_intrinsic(function, intrinsic)  # numattn's kernels: no reference counts
         _REGISTERED.append(True)
 
 
