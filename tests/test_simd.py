@@ -260,6 +260,20 @@ def test_widen_and_round_spans(vector_bytes, name, rng):
     assert np.all(rounded[:3] == 7) and np.all(rounded[-5:] == 7)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_round_span_copies_a_result_of_its_dtype(dtype, rng):
+    """Results of the compute dtype itself are copied, NaN and its payload included, and
+    nothing outside the span is written."""
+    _, round_span = spans(HERE[0])
+    values = np.concatenate([rng.standard_normal(37), [np.nan, -np.inf, -0.0]]).astype(dtype)
+    values[-3] = np.frombuffer(np.array([0x7FC01234], np.uint32).tobytes(), np.float32)[0]
+    copied = np.full(values.shape, 7, dtype)
+    round_span(values, copied, 2, values.size - 3)
+    assert np.array_equal(copied[2:-1].view(f"u{values.itemsize}"),
+                          values[2:-1].view(f"u{values.itemsize}"))
+    assert np.all(copied[:2] == 7) and copied[-1] == 7
+
+
 def expected_scores(qs, k_blocks, pages, slots, group):
     keys = k_blocks.values[pages, slots]  # [n, Hkv, D]
     heads = np.arange(qs.shape[0])
@@ -624,8 +638,7 @@ def test_stream_prefetch_follows_the_target_cpu(cpu_name, machine, expected, mon
 def test_kernel_bindings_call_the_intrinsics():
     """numattn's CPU bindings name the intrinsics themselves in place of the plain
     functions, whose inlined overloads would count the references of their array arguments
-    at every call (``numattn.core.jit.cpu_intrinsic``); ``round_span`` keeps its overload,
-    which copies where the dtypes agree."""
+    at every call (``numattn.core.jit.cpu_intrinsic``)."""
     from numattn.core import jit
     from numattn.kernels.cpu import amx, flash, softmax, split_k
 
@@ -642,4 +655,4 @@ def test_kernel_bindings_call_the_intrinsics():
             plain = getattr(module, name, None) or getattr(_simd, name)
             assert scope[name] is jit._CPU_INTRINSICS[id(plain)][1], (func.__name__, name)
     flash_scope = jit._rebind(flash._run_item, "cpu").__globals__
-    assert flash_scope["round_span"] is _simd.round_span
+    assert flash_scope["round_span"] is jit._CPU_INTRINSICS[id(_simd.round_span)][1]

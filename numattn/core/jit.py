@@ -192,8 +192,8 @@ def cpu_intrinsic(function, intrinsic):
     ``function`` inlined into its caller, but an inlined overload binds its array arguments
     to variables of its own, whose references Numba counts at every call with atomic
     increments and decrements that LLVM does not always remove, and an atomic operation
-    also waits for the loads before it (16% of a decode step's time, "Reference counts in
-    the hot loops" in docs/performance.rst).  A call of the intrinsic counts nothing."""
+    also waits for the loads before it ("Reference counts in the hot loops" in
+    docs/performance.rst).  A call of the intrinsic counts nothing."""
     _CPU_INTRINSICS[id(function)] = (function, intrinsic)
 
 

@@ -400,8 +400,7 @@ def register():
             # for other jitted callers (tests): inlined into the caller (as Numba IR), as a
             # call would pass every array field by field, a few hundred bytes of arguments
             overload(function, inline="always")(_FORWARDERS[name](intrinsic))
-            if name != "round_span":  # (whose overload copies where the dtypes agree)
-                cpu_intrinsic(function, intrinsic)  # numattn's kernels: no reference counts
+            cpu_intrinsic(function, intrinsic)  # numattn's kernels: no reference counts
         _REGISTERED.append(True)
 
 
@@ -459,13 +458,6 @@ def _forward_widen_span(intrinsic):
 
 def _forward_round_span(intrinsic):
     def typer(values, bits, start, count):
-        if bits.dtype == values.dtype:  # a result of the compute dtype: copied
-
-            def copy(values, bits, start, count):
-                bits[start:start + count] = values[start:start + count]
-
-            return copy
-
         def impl(values, bits, start, count):
             intrinsic(values, bits, start, count)
 

@@ -963,15 +963,19 @@ def bfloat16_bits(builder, x):
 
 def round_span_intrinsic(vector_bytes):
     """The intrinsic of :func:`.simd.round_span`: float16 by ``fptrunc`` (the hardware's
-    conversion, ties to even), bfloat16 by :func:`bfloat16_bits`."""
+    conversion, ties to even), bfloat16 by :func:`bfloat16_bits`; ``bits`` of the values'
+    dtype get a copy."""
 
     @intrinsic
     def round_span(typingctx, values, bits, start, count):
         check_row(values, "round_span")
         check_row(bits, "round_span")
-        if values.dtype != types.float32 or bits.dtype not in (types.uint16, types.int16):
+        copy = bits.dtype == values.dtype and values.dtype in (types.float32, types.float64)
+        if not copy and (values.dtype != types.float32
+                         or bits.dtype not in (types.uint16, types.int16)):
             raise errors.TypingError("round_span takes float32 values and uint16 (bfloat16) "
-                                     "or int16 (float16) bits")
+                                     "or int16 (float16) bits, or two arrays of one float "
+                                     "dtype")
         sig = types.none(values, bits, start, count)
 
         def codegen(context, builder, signature, args):
@@ -986,7 +990,9 @@ def round_span_intrinsic(vector_bytes):
 
             def step(offset, mask):
                 x = vec.load(source, offset, mask)
-                if float16:
+                if copy:
+                    rounded = x
+                elif float16:
                     rounded = builder.bitcast(
                         builder.fptrunc(x, ir.VectorType(ir.HalfType(), lanes)), out.type)
                 else:
